@@ -1,0 +1,34 @@
+# The two commands a newcomer needs are `make demo` and `make test`; the rest serve them.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install only when the package metadata changed.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test unit integration bench-cpu proto install
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q -e '.[daemon,demo,operator,test]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/weightcache demo
+
+test: $(STAMP) cluster-build
+	$(PY) -m pytest tests
+
+# Regenerate the wire contract's Python module from proto/ (tests check it is current).
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+bench-cpu: $(STAMP)
+	$(PY) bench/attach_cpu.py
+
+-include tests/cluster/cluster.mk

@@ -1,0 +1,171 @@
+"""What an engine calls: get its weights from the cache or from disk, by policy, and
+say which path it took and why.
+
+Modes (argument or WEIGHTCACHE_MODE):
+  off     load from disk; the cache is not asked.
+  client  attach to a running daemon; if that fails, WEIGHTCACHE_FALLBACK decides:
+          `disk` loads from disk and reports why, `error` raises.
+  daemon  like client, but first start a daemon for this model if none serves it.
+"""
+
+import logging
+import os
+import pathlib
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+
+from .attach import AttachedWeights, attach, list_sockets
+from .disk import load_from_disk
+from .errors import CacheUnavailable, FingerprintMismatch
+
+log = logging.getLogger("weightcache.client")
+
+MODES = ("off", "client", "daemon")
+FALLBACKS = ("disk", "error")
+DEFAULT_SOCKET_DIR = "/run/weightcache"
+# A daemon that lost the start race to another one exits with this code (EX_TEMPFAIL).
+EXIT_ALREADY_SERVED = 75
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    mode: str = "client"
+    fallback: str = "disk"
+    socket_dir: str = DEFAULT_SOCKET_DIR
+    cache_name: str | None = None
+    device: str = "cpu"
+    revision: str = ""
+    timeout: float = 10.0
+    # How long mode=daemon waits for a daemon it started to finish loading.
+    start_timeout: float = 600.0
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"weightcache mode {self.mode!r} is not one of {', '.join(MODES)} (WEIGHTCACHE_MODE)")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(
+                f"weightcache fallback {self.fallback!r} is not one of {', '.join(FALLBACKS)} (WEIGHTCACHE_FALLBACK)"
+            )
+
+    @classmethod
+    def from_env(cls, env=None, **overrides) -> "ClientSettings":
+        """Settings from WEIGHTCACHE_<FIELD> variables (the webhook sets them), then
+        explicit arguments; arguments that are None are ignored."""
+        env = os.environ if env is None else env
+        values = {}
+        for f in fields(cls):
+            raw = env.get(f"WEIGHTCACHE_{f.name.upper()}")
+            if raw is not None:
+                values[f.name] = float(raw) if f.type is float else raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+@dataclass
+class LoadedWeights:
+    tensors: dict
+    source: str  # "cache" or "disk"
+    reason: str  # why this source: the mode, or the failure that made it fall back
+    attached: AttachedWeights | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the daemon holds for this engine (count them when sizing a KV cache)."""
+        return self.attached.resident_bytes if self.attached else 0
+
+
+def load_weights(model_dir, settings: ClientSettings | None = None, **overrides) -> LoadedWeights:
+    """The model's tensors, from the cache when the mode and the daemon allow."""
+    settings = replace(settings, **overrides) if settings else ClientSettings.from_env(**overrides)
+    if settings.mode == "off":
+        return _from_disk(model_dir, settings, "mode=off")
+    try:
+        attached = _attach(model_dir, settings)
+    except CacheUnavailable as exc:
+        if settings.fallback == "error":
+            log.error("attach failed; fallback=error", extra={"fields": {"reason": str(exc)}})
+            raise
+        log.warning("attach failed; loading from disk (fallback=disk)", extra={"fields": {"reason": str(exc)}})
+        return _from_disk(model_dir, settings, f"fallback to disk: {exc}")
+    log.info("attached", extra={"fields": {"socket": attached.socket_path, "attach_ms": round(attached.attach_ms, 2),
+                                           "bytes": attached.resident_bytes}})
+    return LoadedWeights(attached.tensors, "cache", f"attached to {attached.socket_path}", attached)
+
+
+def _from_disk(model_dir, settings, reason) -> LoadedWeights:
+    start = time.perf_counter()
+    tensors = load_from_disk(model_dir)
+    log.info("loaded from disk", extra={"fields": {"reason": reason, "ms": round((time.perf_counter() - start) * 1e3)}})
+    return LoadedWeights(tensors, "disk", reason)
+
+
+def _attach(model_dir, settings) -> AttachedWeights:
+    def once():
+        return attach(model_dir, socket_dir=settings.socket_dir, cache_name=settings.cache_name,
+                      device=settings.device, revision=settings.revision, timeout=settings.timeout)
+
+    if settings.mode == "client":
+        return once()
+    try:
+        return once()
+    except FingerprintMismatch:
+        pass  # a daemon for other weights: start one for ours beside it
+    except CacheUnavailable:
+        pass
+    start_daemon(model_dir, settings)
+    return once()
+
+
+def start_daemon(model_dir, settings: ClientSettings) -> None:
+    """Start a detached daemon for this model and wait until it serves.
+
+    The daemon outlives this process (that is the point of a cache). If another
+    daemon for the same cache wins the start race, wait for that one instead.
+    """
+    name = settings.cache_name or default_cache_name(model_dir)
+    socket_dir = pathlib.Path(settings.socket_dir)
+    socket_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    read_end, write_end = os.pipe()
+    log_path = socket_dir / f"{name}.daemon.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache", "daemon", "--model", str(model_dir), "--backend", "cpu",
+             "--socket-dir", str(socket_dir), "--name", name, "--revision", settings.revision,
+             "--ready-fd", str(write_end)],
+            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True,
+        )
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], settings.start_timeout)
+        message = os.read(read_end, 64) if ready else b""
+    finally:
+        os.close(read_end)
+    if message.startswith(b"ready"):
+        return
+    code = proc.poll() if ready else None
+    if code == EXIT_ALREADY_SERVED:
+        _wait_for_socket(socket_dir, name, settings)
+        return
+    raise CacheUnavailable(
+        f"started a daemon for {model_dir} (pid {proc.pid}) but it did not become ready"
+        f" within {settings.start_timeout:.0f}s (exit code {code}); see {log_path}"
+    )
+
+
+def _wait_for_socket(socket_dir, name, settings) -> None:
+    deadline = time.monotonic() + settings.start_timeout
+    while not list_sockets(socket_dir, name, settings.device):
+        if time.monotonic() > deadline:
+            raise CacheUnavailable(f"another daemon is starting cache {name} but did not publish within "
+                                   f"{settings.start_timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def default_cache_name(model_dir) -> str:
+    base = pathlib.Path(model_dir).resolve().name.lower()
+    cleaned = "".join(c if c.isalnum() or c in "-." else "-" for c in base).strip("-.")
+    return cleaned[:63] or "model"

@@ -1,0 +1,60 @@
+"""`cpu`: slabs are sealed memfds, mapped read-only by engines.
+
+Runs on any Linux machine with the same protocol as the GPU backends, which makes it
+the embedded default for CI and the demo. Sealing (no writes, no resizing) lets the
+kernel, not engine discipline, guarantee nobody changes the bytes after loading.
+"""
+
+import fcntl
+import mmap
+import os
+
+from weightcache.client.errors import CheckpointError
+from weightcache.client.fingerprint import Device
+
+from .base import Backend, Slab
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+
+
+class MemfdSlab(Slab):
+    def __init__(self, size: int, label: str):
+        self.size = size
+        self._fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._view = memoryview(self._map)
+
+    def write_from_file(self, fd, file_offset, slab_offset, nbytes):
+        target = self._view[slab_offset:slab_offset + nbytes]
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [target[done:]], file_offset + done)
+            if n == 0:
+                raise CheckpointError(f"file ended {nbytes - done} bytes early at offset {file_offset + done}; "
+                                      "was it changed while loading?")
+            done += n
+        target.release()
+
+    def seal(self):
+        # F_SEAL_WRITE is refused while a writable shared mapping exists: drop ours first.
+        self._view.release()
+        self._map.close()
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+
+    def export_fd(self):
+        return self._fd
+
+    def close(self):
+        os.close(self._fd)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device = "cpu"
+
+    def allocate(self, size, label):
+        return MemfdSlab(size, label)
+
+    def fingerprint_device(self):
+        return Device(kind="cpu")

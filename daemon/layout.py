@@ -1,0 +1,82 @@
+"""Plan where each tensor lives: a few large slabs, each tensor at an aligned offset.
+
+Pure: takes tensor sources, returns a plan; the backend allocates it, the loader
+fills it, and to_wire() is what engines receive.
+"""
+
+from dataclasses import dataclass
+
+from weightcache.client import wire_pb2 as wire
+from weightcache.client.protocol import LAYOUT_VERSION, MAX_FDS_PER_FRAME
+
+from .checkpoint import TensorSource
+
+# 256 bytes: what cudaMalloc guarantees and what vectorized kernels assume.
+DEFAULT_ALIGNMENT = 256
+DEFAULT_MAX_SLAB_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class Placement:
+    source: TensorSource
+    slab: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class SlabPlan:
+    alignment: int
+    slab_sizes: tuple[int, ...]
+    placements: tuple[Placement, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.slab_sizes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def plan_slabs(tensors, *, alignment: int = DEFAULT_ALIGNMENT,
+               max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES) -> SlabPlan:
+    """Pack tensors in file order (so loading reads sequentially) into slabs of at most
+    max_slab_bytes; a larger tensor gets a slab of its own."""
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment {alignment} must be a power of two")
+    ordered = sorted(tensors, key=lambda t: (str(t.path), t.offset, t.name))
+    sizes: list[int] = []
+    placements = []
+    cursor = None
+    for t in ordered:
+        need = _round_up(t.nbytes, alignment)
+        if cursor is None or (cursor + need > max_slab_bytes and cursor > 0):
+            sizes.append(0)
+            cursor = 0
+        placements.append(Placement(t, len(sizes) - 1, cursor))
+        cursor += need
+        sizes[-1] = cursor
+    sizes = [max(s, alignment) for s in sizes] or [alignment]
+    if len(sizes) > MAX_FDS_PER_FRAME:
+        raise ValueError(f"the plan needs {len(sizes)} slabs; at most {MAX_FDS_PER_FRAME} fit one message. "
+                         f"Raise the slab size (now {max_slab_bytes} bytes).")
+    return SlabPlan(alignment, tuple(sizes), tuple(placements))
+
+
+def to_wire(plan: SlabPlan) -> "wire.Layout":
+    layout = wire.Layout(version=LAYOUT_VERSION, alignment=plan.alignment)
+    for index, size in enumerate(plan.slab_sizes):
+        layout.slabs.add(index=index, size=size)
+    for p in sorted(plan.placements, key=lambda p: p.source.name):
+        layout.tensors.add(name=p.source.name, dtype=p.source.dtype, shape=p.source.shape,
+                           strides=contiguous_strides(p.source.shape), slab=p.slab, offset=p.offset,
+                           nbytes=p.source.nbytes)
+    return layout

@@ -1,0 +1,183 @@
+"""The `weightcache` command: daemon, attach, status, demo."""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+from . import logs
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def _add_daemon(sub):
+    p = sub.add_parser("daemon", help="load a model and serve it over a Unix socket (foreground)",
+                       description="Load a model's weights once into sealed slabs and serve them to engines "
+                                   "over a Unix socket until SIGTERM.")
+    p.add_argument("--model", required=True, type=pathlib.Path, help="model directory (config.json, *.safetensors)")
+    p.add_argument("--backend", default="cpu", help="memory backend (default: cpu)")
+    p.add_argument("--socket-dir", required=True, type=pathlib.Path, help="directory for the daemon's sockets")
+    p.add_argument("--name", help="cache name (default: the model directory's name)")
+    p.add_argument("--revision", default="", help="model revision recorded in the fingerprint")
+    p.add_argument("--allow-uid", type=int, action="append", default=[],
+                   help="peer uid allowed to connect (repeatable; default: the daemon's own uid)")
+    p.add_argument("--allow-gid", type=int, action="append", default=[], help="peer gid allowed to connect (repeatable)")
+    p.add_argument("--socket-group", type=int,
+                   help="share the socket directory (0750) and sockets (0660) with this gid; default private (0700/0600)")
+    p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds a client has to send its request")
+    p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections before refusing")
+    p.add_argument("--max-slab-mib", type=int, default=1024, help="largest slab in MiB (larger tensors get their own)")
+    p.add_argument("--load-workers", type=int, default=8, help="parallel file readers during the cold load")
+    p.add_argument("--ready-fd", type=int, help="write 'ready' to this inherited fd once serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_cmd_daemon)
+
+
+def _cmd_daemon(args) -> int:
+    from weightcache.client.load import default_cache_name
+    from weightcache.daemon.service import DaemonConfig, run
+
+    uids = frozenset(args.allow_uid) or frozenset({os.geteuid()})
+    config = DaemonConfig(
+        model_dir=args.model.resolve(), socket_dir=args.socket_dir, name=args.name or default_cache_name(args.model),
+        backend=args.backend, revision=args.revision, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
+        socket_group=args.socket_group, handshake_timeout=args.handshake_timeout,
+        max_connections=args.max_connections, max_slab_bytes=args.max_slab_mib << 20, load_workers=args.load_workers,
+    )
+    return run(config, ready_fd=args.ready_fd)
+
+
+def _add_attach(sub):
+    p = sub.add_parser("attach", help="attach to a daemon as an engine would, and report",
+                       description="Attach to the daemon serving --model, build every tensor as a view, and "
+                                   "print what was attached. Exits non-zero on any failure or mismatch.")
+    p.add_argument("--socket-dir", required=True, type=pathlib.Path)
+    p.add_argument("--model", required=True, type=pathlib.Path, help="the model directory the engine would load")
+    p.add_argument("--cache", help="cache name (default: any cache serving this fingerprint)")
+    p.add_argument("--device", default="cpu", help="'cpu' or a GPU UUID")
+    p.add_argument("--revision", default="")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--verify", action="store_true", help="compare every tensor's bytes with the files on disk")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_attach)
+
+
+def _cmd_attach(args) -> int:
+    from weightcache.client import attach, compare_with_disk
+    from weightcache.client.fingerprint import digest
+
+    with attach(args.model, socket_dir=args.socket_dir, cache_name=args.cache, device=args.device,
+                revision=args.revision, timeout=args.timeout, client_name="weightcache-attach") as att:
+        problems = compare_with_disk(att.tensors, args.model) if args.verify else None
+        result = {
+            "attach_ms": round(att.attach_ms, 3), "tensors": len(att.tensors), "bytes": att.resident_bytes,
+            "fingerprint": digest(att.fingerprint), "verified": None if problems is None else not problems,
+            "socket": att.socket_path,
+        }
+        if problems:
+            result["mismatches"] = problems[:20]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"attached {result['tensors']} tensors, {result['bytes']} bytes in {result['attach_ms']} ms "
+              f"from {result['socket']}" + ("" if problems is None else f"; verified: {not problems}"))
+        for line in problems or []:
+            print(f"  mismatch: {line}")
+    return EXIT_FAILED if problems else 0
+
+
+def _add_status(sub):
+    p = sub.add_parser("status", help="show every cache served in a socket directory",
+                       description="Handshake with every daemon socket in --socket-dir and print what each serves.")
+    p.add_argument("--socket-dir", required=True, type=pathlib.Path)
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from weightcache.client import list_sockets, query_status
+    from weightcache.client.errors import WeightCacheError
+
+    rows = []
+    for path in list_sockets(args.socket_dir):
+        try:
+            s = query_status(path)
+        except (WeightCacheError, OSError, EOFError) as exc:
+            rows.append({"socket": str(path), "state": "unreachable", "error": str(exc) or type(exc).__name__})
+            continue
+        rows.append({"socket": str(path), "state": "ready", "name": s.cache_name, "fingerprint": s.fingerprint_digest,
+                     "backend": s.backend, "device": s.device, "tensors": s.tensors, "bytes": s.resident_bytes,
+                     "attached_clients": s.attached_clients, "uptime_s": round(s.uptime_s, 3), "pid": s.pid,
+                     "model": s.model_path, "load_s": round(s.load_s, 3),
+                     "fingerprint_fields": MessageToDict(s.fingerprint, preserving_proto_field_name=True,
+                                                         always_print_fields_with_no_presence=True)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no caches in {args.socket_dir}")
+    else:
+        print(f"{'NAME':<24} {'DEVICE':<10} {'BACKEND':<8} {'TENSORS':>8} {'BYTES':>14} {'CLIENTS':>7} {'UPTIME':>9}  FINGERPRINT")
+        for r in rows:
+            if r["state"] != "ready":
+                print(f"{r['socket']}: unreachable: {r['error']}")
+                continue
+            print(f"{r['name']:<24} {r['device'][:10]:<10} {r['backend']:<8} {r['tensors']:>8} {r['bytes']:>14} "
+                  f"{r['attached_clients']:>7} {r['uptime_s']:>8.0f}s  {r['fingerprint'][:12]}")
+    return 0
+
+
+def _add_demo(sub):
+    p = sub.add_parser("demo", help="the main job on the embedded default: cpu backend, a real small model",
+                       description="Start a daemon on the cpu backend with the packaged all-MiniLM-L6-v2, attach "
+                                   "from a fresh process, and compare its forward pass with the disk-loaded model.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    result = run_demo()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"model:             {result['model']}")
+        print(f"backend:           {result['backend']}")
+        print(f"disk load:         {result['disk_load_ms']:.1f} ms")
+        print(f"attach + bind:     {result['attach_ms']:.1f} ms")
+        print(f"speedup:           {result['speedup']:.1f}x")
+        print(f"outputs identical: {result['outputs_identical']}")
+    return 0 if result["outputs_identical"] else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightcache", description="Node-local GPU weight cache for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_daemon, _add_attach, _add_status, _add_demo):
+        add(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    from weightcache.client.errors import CheckpointError, WeightCacheError
+
+    args = build_parser().parse_args(argv)
+    logs.configure(getattr(args, "log_level", "warning"))
+    try:
+        return args.func(args)
+    except (CheckpointError, ValueError, OSError) as exc:
+        _fail(args, exc)
+        return EXIT_BAD_INPUT
+    except WeightCacheError as exc:
+        _fail(args, exc)
+        return EXIT_FAILED
+
+
+def _fail(args, exc) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    print(f"weightcache {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

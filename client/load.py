@@ -11,23 +11,19 @@ Modes (argument or WEIGHTCACHE_MODE):
 import logging
 import os
 import pathlib
-import select
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, fields, replace
 
 from .attach import AttachedWeights, attach, list_sockets
 from .disk import load_from_disk
 from .errors import CacheUnavailable, FingerprintMismatch
+from .spawn import EXIT_ALREADY_SERVED, DaemonStartFailed, spawn_daemon
 
 log = logging.getLogger("weightcache.client")
 
 MODES = ("off", "client", "daemon")
 FALLBACKS = ("disk", "error")
 DEFAULT_SOCKET_DIR = "/run/weightcache"
-# A daemon that lost the start race to another one exits with this code (EX_TEMPFAIL).
-EXIT_ALREADY_SERVED = 75
 
 
 @dataclass(frozen=True)
@@ -122,38 +118,22 @@ def _attach(model_dir, settings) -> AttachedWeights:
 def start_daemon(model_dir, settings: ClientSettings) -> None:
     """Start a detached daemon for this model and wait until it serves.
 
-    The daemon outlives this process (that is the point of a cache). If another
-    daemon for the same cache wins the start race, wait for that one instead.
+    The daemon outlives this process (that is the point of a cache); its log goes to
+    <socket_dir>/<cache>.daemon.log. If another daemon for the same cache wins the
+    start race, wait for that one instead.
     """
     name = settings.cache_name or default_cache_name(model_dir)
     socket_dir = pathlib.Path(settings.socket_dir)
     socket_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    read_end, write_end = os.pipe()
     log_path = socket_dir / f"{name}.daemon.log"
     with open(log_path, "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache", "daemon", "--model", str(model_dir), "--backend", "cpu",
-             "--socket-dir", str(socket_dir), "--name", name, "--revision", settings.revision,
-             "--ready-fd", str(write_end)],
-            pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-            start_new_session=True,
-        )
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], settings.start_timeout)
-        message = os.read(read_end, 64) if ready else b""
-    finally:
-        os.close(read_end)
-    if message.startswith(b"ready"):
-        return
-    code = proc.poll() if ready else None
-    if code == EXIT_ALREADY_SERVED:
-        _wait_for_socket(socket_dir, name, settings)
-        return
-    raise CacheUnavailable(
-        f"started a daemon for {model_dir} (pid {proc.pid}) but it did not become ready"
-        f" within {settings.start_timeout:.0f}s (exit code {code}); see {log_path}"
-    )
+        try:
+            spawn_daemon(model_dir, socket_dir, name, ["--revision", settings.revision], detached=True,
+                         stdout=log_file, stderr=log_file, timeout=settings.start_timeout)
+        except DaemonStartFailed as exc:
+            if exc.returncode != EXIT_ALREADY_SERVED:
+                raise DaemonStartFailed(f"{exc}; see {log_path}", exc.returncode) from None
+            _wait_for_socket(socket_dir, name, settings)
 
 
 def _wait_for_socket(socket_dir, name, settings) -> None:

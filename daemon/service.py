@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from weightcache.client import fingerprint as fp
-from weightcache.client.load import EXIT_ALREADY_SERVED
+from weightcache.client.spawn import EXIT_ALREADY_SERVED
 from weightcache.client.protocol import MAX_SOCKET_PATH, check_cache_name, socket_name
 
 from .backends import make_backend

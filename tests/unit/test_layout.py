@@ -1,0 +1,77 @@
+import pathlib
+
+import pytest
+
+from weightcache.daemon.checkpoint import TensorSource
+from weightcache.daemon.layout import contiguous_strides, plan_slabs, to_wire
+from weightcache.daemon.loader import plan_reads
+
+
+def source(name, nbytes, offset=0, path="a.safetensors", dtype="U8"):
+    return TensorSource(name, dtype, (nbytes,), pathlib.Path(path), offset, nbytes)
+
+
+def test_every_tensor_starts_on_the_alignment_and_slabs_do_not_overlap_tensors():
+    tensors = [source(f"t{i}", 100 + i, offset=1000 * i) for i in range(50)]
+    plan = plan_slabs(tensors, alignment=256, max_slab_bytes=4096)
+    by_slab = {}
+    for p in plan.placements:
+        assert p.offset % 256 == 0
+        by_slab.setdefault(p.slab, []).append((p.offset, p.offset + p.source.nbytes))
+    for slab, spans in by_slab.items():
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert spans[-1][1] <= plan.slab_sizes[slab] <= 4096
+
+
+def test_a_tensor_larger_than_the_slab_limit_gets_a_slab_of_its_own():
+    plan = plan_slabs([source("small", 10), source("huge", 10_000, offset=10), source("tail", 10, offset=10_010)],
+                      alignment=64, max_slab_bytes=1024)
+    slabs = {p.source.name: p.slab for p in plan.placements}
+    assert len({slabs["small"], slabs["huge"], slabs["tail"]}) == 3
+    assert plan.slab_sizes[slabs["huge"]] == 10_048
+
+
+def test_tensors_are_packed_in_file_order_for_sequential_reads():
+    tensors = [source("b", 8, offset=64, path="2.safetensors"), source("a", 8, offset=0, path="2.safetensors"),
+               source("c", 8, offset=0, path="1.safetensors")]
+    plan = plan_slabs(tensors, alignment=8)
+    assert [p.source.name for p in plan.placements] == ["c", "a", "b"]
+
+
+def test_empty_model_still_gets_one_mappable_slab():
+    plan = plan_slabs([], alignment=256)
+    assert plan.slab_sizes == (256,)
+
+
+def test_alignment_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        plan_slabs([source("a", 1)], alignment=100)
+
+
+def test_too_many_slabs_for_one_message_is_refused_with_advice():
+    tensors = [source(f"t{i}", 1024, offset=1024 * i) for i in range(300)]
+    with pytest.raises(ValueError, match="Raise the slab size"):
+        plan_slabs(tensors, alignment=1024, max_slab_bytes=1024)
+
+
+def test_reads_merge_back_to_back_tensors_and_split_into_chunks():
+    tensors = [source("a", 100, offset=0), source("b", 28, offset=100), source("c", 128, offset=128)]
+    plan = plan_slabs(tensors, alignment=4, max_slab_bytes=1 << 20)
+    reads = plan_reads(plan, chunk_bytes=100)
+    assert sum(r.nbytes for r in reads) == 256
+    assert [(r.file_offset, r.slab_offset, r.nbytes) for r in reads] == [(0, 0, 100), (100, 100, 100), (200, 200, 56)]
+
+
+def test_padding_breaks_a_merge():
+    plan = plan_slabs([source("a", 10, offset=0), source("b", 10, offset=10)], alignment=16)
+    assert [(r.file_offset, r.slab_offset) for r in plan_reads(plan)] == [(0, 0), (10, 16)]
+
+
+def test_wire_layout_names_every_tensor_with_contiguous_strides():
+    t = TensorSource("w", "BF16", (3, 4, 5), pathlib.Path("m.safetensors"), 0, 120)
+    layout = to_wire(plan_slabs([t]))
+    (view,) = layout.tensors
+    assert (view.name, view.dtype, tuple(view.shape), tuple(view.strides)) == ("w", "BF16", (3, 4, 5), (20, 5, 1))
+    assert contiguous_strides(()) == ()
+    assert contiguous_strides((0, 4)) == (4, 1)

@@ -47,21 +47,34 @@ def map_slabs(backend: str, layout: "wire.Layout", fds: list[int]) -> list:
 
 
 def build_views(layout: "wire.Layout", slabs: list) -> dict:
-    """Every tensor of the layout as a view on its slab, checked to stay inside it."""
+    """Every tensor of the layout as a view on its slab, checked to stay inside it.
+
+    One as_strided per tensor on a per-(slab, dtype) typed view of the slab: this loop
+    is the whole per-tensor cost of attaching, so it does nothing else.
+    """
     tensors = {}
+    typed = {}
+    sizes = [slab.numel() for slab in slabs]
     for tv in layout.tensors:
-        if tv.dtype not in DTYPES or tv.slab >= len(slabs):
-            raise ProtocolError(f"tensor {tv.name!r}: unknown dtype {tv.dtype!r} or slab {tv.slab}")
-        itemsize = DTYPES[tv.dtype].itemsize
-        slab = slabs[tv.slab]
-        if tv.offset + tv.nbytes > slab.numel() or tv.nbytes % itemsize or tv.offset % itemsize:
-            raise ProtocolError(f"tensor {tv.name!r}: bytes {tv.offset}+{tv.nbytes} do not fit slab {tv.slab}")
+        name, dtype_name, index, offset, nbytes = tv.name, tv.dtype, tv.slab, tv.offset, tv.nbytes
+        dtype = DTYPES.get(dtype_name)
+        if dtype is None or index >= len(slabs):
+            raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r} or slab {index}")
+        itemsize = dtype.itemsize
+        if offset + nbytes > sizes[index] or nbytes % itemsize or offset % itemsize:
+            raise ProtocolError(f"tensor {name!r}: bytes {offset}+{nbytes} do not fit slab {index}")
         shape, strides = tuple(tv.shape), tuple(tv.strides)
-        if len(shape) != len(strides) or any(d < 0 for d in shape) or any(s < 0 for s in strides):
-            raise ProtocolError(f"tensor {tv.name!r}: bad shape {shape} or strides {strides}")
-        extent = 0 if 0 in shape else 1 + sum((d - 1) * s for d, s in zip(shape, strides))
-        if extent * itemsize > tv.nbytes:
-            raise ProtocolError(f"tensor {tv.name!r}: shape {shape} strides {strides} reach past its bytes")
-        flat = slab.narrow(0, tv.offset, tv.nbytes).view(torch_dtype(tv.dtype))
-        tensors[tv.name] = flat.as_strided(shape, strides)
+        extent = 1
+        for d, s in zip(shape, strides):
+            if d < 0 or s < 0:
+                extent = -1
+                break
+            extent = 0 if d == 0 or extent == 0 else extent + (d - 1) * s
+        if len(shape) != len(strides) or extent < 0 or extent * itemsize > nbytes:
+            raise ProtocolError(f"tensor {name!r}: shape {shape} strides {strides} do not fit its {nbytes} bytes")
+        base = typed.get((index, dtype_name))
+        if base is None:
+            whole = sizes[index] - sizes[index] % itemsize
+            base = typed[(index, dtype_name)] = slabs[index].narrow(0, 0, whole).view(torch_dtype(dtype_name))
+        tensors[name] = base.as_strided(shape, strides, offset // itemsize)
     return tensors

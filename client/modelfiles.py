@@ -59,7 +59,9 @@ def checkpoint_files(model_dir: pathlib.Path) -> tuple[list[pathlib.Path], dict[
                 raise TypeError("weight_map is not an object")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from None
-        files = sorted({_safe_shard_name(model_dir, f, str(index_path)) for f in weight_map.values()})
+        # Few distinct shards name many tensors: check each name once (values may be any JSON).
+        distinct = {json.dumps(f, sort_keys=True): f for f in weight_map.values()}.values()
+        files = sorted(_safe_shard_name(model_dir, f, str(index_path)) for f in distinct)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index_path}: shard(s) missing from {model_dir}: {', '.join(missing)}")

@@ -125,18 +125,18 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
         )
     req = wire.Request(protocol_version=PROTOCOL_VERSION, client_name=client_name or f"pid-{os.getpid()}")
     req.attach.expected.CopyFrom(expected)
-    attempts, mismatch = [], None
+    attempts, refusals = [], []
     for path in candidates:
         try:
             sock, response, fds = request(path, req, timeout, accept_fds=True)
-        except FingerprintMismatch as exc:
-            mismatch = mismatch or exc
+        except (FingerprintMismatch, PeerRejected) as exc:
+            refusals.append(exc)
             attempts.append(str(exc))
             continue
         except (ConnectionRefusedError, FileNotFoundError):
             attempts.append(f"{path}: no daemon listening (a stale socket file)")
             continue
-        except (PeerRejected, ProtocolError, TimeoutError, EOFError, OSError) as exc:
+        except (ProtocolError, TimeoutError, EOFError, OSError) as exc:
             attempts.append(f"{path}: {exc}")
             continue
         try:
@@ -144,9 +144,12 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
         except BaseException:
             sock.close()
             raise
-    if mismatch is not None:
-        mismatch.attempts = attempts
-        raise mismatch
+    if refusals:
+        # A daemon that answered and refused says more than a dead socket: raise its
+        # reason (a fingerprint mismatch first), with every attempt attached.
+        refusal = next((r for r in refusals if isinstance(r, FingerprintMismatch)), refusals[0])
+        refusal.attempts = attempts
+        raise refusal
     raise CacheUnavailable(f"no daemon could serve cache {cache_name or '(any)'} on {device}", attempts)
 
 

@@ -39,6 +39,10 @@ def spawn_daemon(model_dir, socket_dir, name: str, extra_args=(), *, detached: b
     try:
         ready, _, _ = select.select([read_end], [], [], timeout)
         if ready and os.read(read_end, 16).startswith(b"ready"):
+            # The daemon closes the pipe right after writing; wait for that too, so a
+            # caller counting the daemon's fds never sees the pipe still open.
+            if select.select([read_end], [], [], 5)[0]:
+                os.read(read_end, 16)
             return proc
     finally:
         os.close(read_end)

@@ -53,9 +53,10 @@ def parse_header(path: pathlib.Path, raw: bytes, file_size: int) -> list[TensorS
         return CheckpointError(f"{path}: {problem}")
 
     try:
-        header = json.loads(raw)
+        # UTF-8 only, as safetensors reads it: json.loads(bytes) would also take UTF-16/32.
+        header = json.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"header is not valid JSON ({exc})") from None
+        raise bad(f"header is not valid JSON in UTF-8 ({exc})") from None
     if not isinstance(header, dict):
         raise bad(f"header must be a JSON object, found {type(header).__name__}")
     data_start = 8 + len(raw)

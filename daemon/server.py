@@ -113,7 +113,7 @@ class _Connection(socketserver.BaseRequestHandler):
 
     def handle(self):
         if not self.server.slots.acquire(blocking=False):
-            self._refuse(Error.BUSY, f"connection limit of {self.server.max_connections} reached; retry later")
+            self._refuse_unread(Error.BUSY, f"connection limit of {self.server.max_connections} reached; retry later")
             return
         try:
             self._serve()
@@ -125,9 +125,10 @@ class _Connection(socketserver.BaseRequestHandler):
         pid, uid, gid = peer_credentials(sock)
         self.peer = {"pid": pid, "uid": uid, "gid": gid}
         if not self.server.access.allows(uid, gid):
-            self._refuse(Error.PERMISSION_DENIED,
-                         f"peer uid {uid} gid {gid} is not allowed by this daemon ({self.server.access.describe()}); "
-                         "run the engine as an allowed user or start the daemon with --allow-uid/--allow-gid")
+            self._refuse_unread(Error.PERMISSION_DENIED,
+                                f"peer uid {uid} gid {gid} is not allowed by this daemon "
+                                f"({self.server.access.describe()}); run the engine as an allowed user or start "
+                                "the daemon with --allow-uid/--allow-gid")
             return
         try:
             req, _ = recv_message(sock, wire.Request, max_bytes=MAX_REQUEST_BYTES, timeout=self.server.handshake_timeout)
@@ -195,6 +196,26 @@ class _Connection(socketserver.BaseRequestHandler):
         except OSError as exc:
             log.warning("could not answer peer", extra={"fields": {**getattr(self, "peer", {}), "error": str(exc)}})
             return False
+
+    def _refuse_unread(self, code, message):
+        """Refuse before reading the request. A peer that writes its request after our answer
+        would get EPIPE from a closed socket and never read the reason: so end our side
+        (the peer reads the answer, then EOF) and drop what it sends until it closes, within
+        the handshake timeout and the size of one request."""
+        self._refuse(code, message)
+        sock = self.request
+        deadline = time.monotonic() + self.server.handshake_timeout
+        budget = 8 + MAX_REQUEST_BYTES
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            while budget > 0 and (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                data = sock.recv(min(budget, 65536))
+                if not data:
+                    break
+                budget -= len(data)
+        except OSError:
+            pass
 
     def _refuse(self, code, message, mismatches=()):
         log.warning("refused", extra={"fields": {**getattr(self, "peer", {}), "code": Error.Code.Name(code),

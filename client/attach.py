@@ -114,8 +114,13 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
     if expected is None:
         if model_dir is None:
             raise ValueError("attach needs model_dir or an expected fingerprint")
-        kind = "cpu" if device == "cpu" else "cuda"
-        expected = fp.compute(model_dir, revision=revision, parallel=parallel, device=fp.Device(kind=kind))
+        if device == "cpu":
+            described = fp.Device(kind="cpu")
+        else:
+            from .cuda_vmm import fingerprint_device
+
+            described = fingerprint_device(device)
+        expected = fp.compute(model_dir, revision=revision, parallel=parallel, device=described)
     short = fp.digest(expected)[:12]
     candidates = sorted(list_sockets(socket_dir, cache_name, device),
                         key=lambda p: parse_socket_name(p.name)[2] != short)
@@ -158,7 +163,7 @@ def _finish(sock, response, fds, path, start) -> AttachedWeights:
         raise ProtocolError(f"{path}: expected an Attached response, got {response.WhichOneof('kind')}")
     att = response.attached
     try:
-        slabs = map_slabs(att.backend, att.layout, fds)
+        slabs = map_slabs(att.backend, att.layout, fds, att.device)
     finally:
         for fd in fds:
             os.close(fd)

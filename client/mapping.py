@@ -18,7 +18,7 @@ from .errors import ProtocolError
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE
 
 
-def map_cpu_slab(fd: int, size: int):
+def map_cpu_slab(fd: int, size: int, device: str = "cpu"):
     """Map a sealed memfd read-only as a uint8 tensor. The mapping outlives the fd."""
     import torch
 
@@ -35,15 +35,21 @@ def map_cpu_slab(fd: int, size: int):
         return torch.frombuffer(region, dtype=torch.uint8)
 
 
-IMPORTERS = {"cpu": map_cpu_slab}
+def map_cuda_vmm_slab(fd: int, size: int, device: str):
+    from .cuda_vmm import import_slab
+
+    return import_slab(fd, size, device)
 
 
-def map_slabs(backend: str, layout: "wire.Layout", fds: list[int]) -> list:
+IMPORTERS = {"cpu": map_cpu_slab, "cuda-vmm": map_cuda_vmm_slab}
+
+
+def map_slabs(backend: str, layout: "wire.Layout", fds: list[int], device: str = "cpu") -> list:
     if backend not in IMPORTERS:
         raise ProtocolError(f"daemon serves backend {backend!r}; this client can map {sorted(IMPORTERS)}")
     if len(fds) != len(layout.slabs):
         raise ProtocolError(f"daemon sent {len(fds)} slab handles for {len(layout.slabs)} slabs")
-    return [IMPORTERS[backend](fd, slab.size) for fd, slab in zip(fds, layout.slabs)]
+    return [IMPORTERS[backend](fd, slab.size, device) for fd, slab in zip(fds, layout.slabs)]
 
 
 def build_views(layout: "wire.Layout", slabs: list) -> dict:

@@ -38,6 +38,7 @@ class DaemonConfig:
     socket_dir: pathlib.Path
     name: str
     backend: str = "cpu"
+    device: str = "0"  # GPU UUID or ordinal for the GPU backends
     revision: str = ""
     parallel: fp.Parallelism = fp.Parallelism()
     allow_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.geteuid()}))
@@ -98,8 +99,11 @@ def load(config: DaemonConfig, backend) -> tuple[ResidentCache, list]:
         slab.seal()
     fingerprint = fp.compute(config.model_dir, revision=config.revision, parallel=config.parallel,
                              device=backend.fingerprint_device())
+    layout = to_wire(plan)
+    for entry, slab in zip(layout.slabs, slabs):
+        entry.size = slab.size  # backends round up (e.g. to the VMM granularity); engines map it all
     cache = ResidentCache(name=config.name, backend=backend.name, device=backend.device, fingerprint=fingerprint,
-                          layout=to_wire(plan), slab_fds=[s.export_fd() for s in slabs],
+                          layout=layout, slab_fds=[s.export_fd() for s in slabs],
                           model_path=str(config.model_dir), load_s=seconds)
     return cache, slabs
 
@@ -125,7 +129,7 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     import torch  # noqa: F401  (the fingerprint records its version; import it before loading, not after)
 
     check_cache_name(config.name)
-    backend = make_backend(config.backend)
+    backend = make_backend(config.backend, config.device)
     prepare_socket_dir(config.socket_dir, config.socket_group)
     try:
         lock_fd = claim(config.socket_dir, config.name, backend.device)

@@ -20,11 +20,13 @@ def checksum(tensors) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensors[name].contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 def main() -> int:
+    import torch
+
     from weightcache.client import load_weights
 
     weights = load_weights(sys.argv[1])
@@ -37,7 +39,9 @@ def main() -> int:
             reply = {"checksum": checksum(weights.tensors)}
         elif command == "write":
             tensor = weights.tensors[arg]
-            tensor.view(-1)[0] = 1  # a read-only mapping turns this into SIGSEGV
+            tensor.view(-1)[0] = 1  # read-only: SIGSEGV on cpu, an illegal-address error on the GPU
+            if tensor.is_cuda:
+                torch.cuda.synchronize()
             reply = {"wrote": arg}
         elif command == "exit":
             return 0

@@ -3,13 +3,20 @@
 from .base import Backend, Slab
 from .cpu import CpuBackend
 
-BACKENDS = {"cpu": CpuBackend}
+def _cuda_vmm(device: str) -> Backend:
+    from .cuda_vmm import CudaVmmBackend  # imports the CUDA driver bindings: only when asked for
+
+    return CudaVmmBackend(device)
 
 
-def make_backend(name: str) -> Backend:
+BACKENDS = {"cpu": lambda device: CpuBackend(), "cuda-vmm": _cuda_vmm}
+
+
+def make_backend(name: str, device: str = "0") -> Backend:
+    """The backend `name` on `device` (a GPU UUID or this process's ordinal; ignored by cpu)."""
     if name not in BACKENDS:
-        raise ValueError(f"backend {name!r} is not available here; choose one of {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name]()
+        raise ValueError(f"backend {name!r} is not available; choose one of {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](device)
 
 
 __all__ = ["BACKENDS", "Backend", "Slab", "make_backend"]

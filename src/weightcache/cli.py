@@ -17,7 +17,8 @@ def _add_daemon(sub):
                        description="Load a model's weights once into sealed slabs and serve them to engines "
                                    "over a Unix socket until SIGTERM.")
     p.add_argument("--model", required=True, type=pathlib.Path, help="model directory (config.json, *.safetensors)")
-    p.add_argument("--backend", default="cpu", help="memory backend (default: cpu)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda-vmm"], help="memory backend (default: cpu)")
+    p.add_argument("--device", default="0", help="GPU UUID or ordinal for the GPU backends (default: 0)")
     p.add_argument("--socket-dir", required=True, type=pathlib.Path, help="directory for the daemon's sockets")
     p.add_argument("--name", help="cache name (default: the model directory's name)")
     p.add_argument("--revision", default="", help="model revision recorded in the fingerprint")
@@ -42,7 +43,7 @@ def _cmd_daemon(args) -> int:
     uids = frozenset(args.allow_uid) or frozenset({os.geteuid()})
     config = DaemonConfig(
         model_dir=args.model.resolve(), socket_dir=args.socket_dir, name=args.name or default_cache_name(args.model),
-        backend=args.backend, revision=args.revision, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
+        backend=args.backend, device=args.device, revision=args.revision, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
         socket_group=args.socket_group, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_connections, max_slab_bytes=args.max_slab_mib << 20, load_workers=args.load_workers,
     )

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU tier in one command, for the lent H200 (see DEVELOPERS.md / the device tool):
+# installs the project offline, runs the GPU tests, writes logs under $OUT.
+#   bash bench/gpu_suite.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/weightcache-gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv; python3 -c "import torch, google.protobuf as p; print('torch', torch.__version__, 'protobuf', p.__version__)"; } > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
+echo "gpu tests exit: ${PIPESTATUS[0]}"

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU tier in one command, for the lent H200 (see DEVELOPERS.md / the device tool):
-# installs the project offline, runs the GPU tests, writes logs under $OUT.
-#   bash bench/gpu_suite.sh
+# The GPU tier in one command, for the lent H200 (the device tool): installs the project
+# offline, runs the GPU tests, then bench/gpu_attach.py with the given arguments.
+# Logs and JSON land in $OUT.
+#   bash bench/gpu_suite.sh                      # tests + the 40 GiB / 2,000-tensor benchmark
+#   bash bench/gpu_suite.sh --gib 2 --tensors 200 --repeats 2   # a quick pass
+#   bash bench/gpu_suite.sh --tests-only
 set -uo pipefail
 OUT=${OUT:-/tmp/weightcache-gpu}
 mkdir -p "$OUT"
@@ -10,8 +13,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv; python3 -c "import torch, google.protobuf as p; print('torch', torch.__version__, 'protobuf', p.__version__)"; } > "$OUT/device.txt" 2>&1
+{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv
+  python3 -c "import torch, google.protobuf as p; print('torch', torch.__version__, 'protobuf', p.__version__)"
+  df -h /tmp . ; } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/gpu-tests.log"
 echo "gpu tests exit: ${PIPESTATUS[0]}"
+# The checkpoint goes on the machine's disk (the checkout), not a RAM-backed /tmp.
+if [ "${1:-}" != "--tests-only" ]; then
+  python3 bench/gpu_attach.py --work . --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu-bench.log"
+  echo "gpu bench exit: ${PIPESTATUS[0]}"
+fi

@@ -33,6 +33,7 @@ class AttachedWeights:
     socket_path: str
     resident_bytes: int
     attach_ms: float
+    phases_ms: dict  # where attach_ms went: fingerprint, handshake, map, views
     _sock: socket.socket = field(repr=False)
 
     def close(self) -> None:
@@ -117,10 +118,11 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
         if device == "cpu":
             described = fp.Device(kind="cpu")
         else:
-            from .cuda_vmm import fingerprint_device
+            from .gpu import fingerprint_device
 
             described = fingerprint_device(device)
         expected = fp.compute(model_dir, revision=revision, parallel=parallel, device=described)
+    phases = {"fingerprint": (time.perf_counter() - start) * 1e3}
     short = fp.digest(expected)[:12]
     candidates = sorted(list_sockets(socket_dir, cache_name, device),
                         key=lambda p: parse_socket_name(p.name)[2] != short)
@@ -144,8 +146,9 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
         except (ProtocolError, TimeoutError, EOFError, OSError) as exc:
             attempts.append(f"{path}: {exc}")
             continue
+        phases["handshake"] = (time.perf_counter() - start) * 1e3 - sum(phases.values())
         try:
-            return _finish(sock, response, fds, path, start)
+            return _finish(sock, response, fds, path, start, phases)
         except BaseException:
             sock.close()
             raise
@@ -158,7 +161,7 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
     raise CacheUnavailable(f"no daemon could serve cache {cache_name or '(any)'} on {device}", attempts)
 
 
-def _finish(sock, response, fds, path, start) -> AttachedWeights:
+def _finish(sock, response, fds, path, start, phases) -> AttachedWeights:
     if response.WhichOneof("kind") != "attached":
         raise ProtocolError(f"{path}: expected an Attached response, got {response.WhichOneof('kind')}")
     att = response.attached
@@ -167,12 +170,14 @@ def _finish(sock, response, fds, path, start) -> AttachedWeights:
     finally:
         for fd in fds:
             os.close(fd)
+    phases["map"] = (time.perf_counter() - start) * 1e3 - sum(phases.values())
     tensors = build_views(att.layout, slabs)
+    phases["views"] = (time.perf_counter() - start) * 1e3 - sum(phases.values())
     sock.settimeout(None)
     return AttachedWeights(
         tensors=tensors, fingerprint=att.fingerprint, cache_name=att.cache_name, backend=att.backend,
         device=att.device, socket_path=str(path), resident_bytes=att.resident_bytes,
-        attach_ms=(time.perf_counter() - start) * 1000, _sock=sock,
+        attach_ms=(time.perf_counter() - start) * 1000, phases_ms=phases, _sock=sock,
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DType:
-    name: str  # as in safetensors headers and TensorView.dtype
+    name: str  # as in safetensors headers and TensorTable.dtype
     itemsize: int
     torch_name: str  # attribute of the torch module
 

@@ -18,69 +18,98 @@ from .errors import ProtocolError
 _REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE
 
 
-def map_cpu_slab(fd: int, size: int, device: str = "cpu"):
+def map_cpu_slab(slab: "wire.Slab", fd: int, device: str):
     """Map a sealed memfd read-only as a uint8 tensor. The mapping outlives the fd."""
     import torch
 
     actual = os.fstat(fd).st_size
-    if actual < size:
-        raise ProtocolError(f"slab fd holds {actual} bytes but the layout says {size}")
+    if actual < slab.size:
+        raise ProtocolError(f"slab fd holds {actual} bytes but the layout says {slab.size}")
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
         raise ProtocolError(f"slab fd is not sealed against writes and shrinking (seals={seals:#x})")
-    region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    region = mmap.mmap(fd, slab.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     with warnings.catch_warnings():
         # torch warns that the buffer is not writable: that is the point.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(region, dtype=torch.uint8)
 
 
-def map_cuda_vmm_slab(fd: int, size: int, device: str):
-    from .cuda_vmm import import_slab
-
-    return import_slab(fd, size, device)
+def map_cpu_slabs(slabs, fds, device):
+    return [map_cpu_slab(slab, fd, device) for slab, fd in zip(slabs, fds)]
 
 
-IMPORTERS = {"cpu": map_cpu_slab, "cuda-vmm": map_cuda_vmm_slab}
+def map_cuda_vmm_slabs(slabs, fds, device):
+    from .gpu import import_slabs
+
+    return import_slabs(fds, [slab.size for slab in slabs], device)
+
+
+def map_cuda_ipc_slabs(slabs, fds, device):
+    from .gpu import import_ipc_slab
+
+    return [import_ipc_slab(slab.ipc_handle, slab.size, device) for slab in slabs]
+
+
+# backend -> (importer of all slabs, whether each slab comes with an fd)
+IMPORTERS = {"cpu": (map_cpu_slabs, True), "cuda-vmm": (map_cuda_vmm_slabs, True),
+             "cuda-ipc": (map_cuda_ipc_slabs, False)}
 
 
 def map_slabs(backend: str, layout: "wire.Layout", fds: list[int], device: str = "cpu") -> list:
     if backend not in IMPORTERS:
         raise ProtocolError(f"daemon serves backend {backend!r}; this client can map {sorted(IMPORTERS)}")
-    if len(fds) != len(layout.slabs):
-        raise ProtocolError(f"daemon sent {len(fds)} slab handles for {len(layout.slabs)} slabs")
-    return [IMPORTERS[backend](fd, slab.size, device) for fd, slab in zip(fds, layout.slabs)]
+    importer, with_fds = IMPORTERS[backend]
+    expected = len(layout.slabs) if with_fds else 0
+    if len(fds) != expected:
+        raise ProtocolError(f"daemon sent {len(fds)} fds for {len(layout.slabs)} {backend} slabs; expected {expected}")
+    return importer(layout.slabs, fds, device)
 
 
 def build_views(layout: "wire.Layout", slabs: list) -> dict:
     """Every tensor of the layout as a view on its slab, checked to stay inside it.
 
     One as_strided per tensor on a per-(slab, dtype) typed view of the slab: this loop
-    is the whole per-tensor cost of attaching, so it does nothing else.
+    is the whole per-tensor cost of attaching, so it works on plain lists decoded in
+    bulk and does nothing else.
     """
-    tensors = {}
-    typed = {}
+    t = layout.tensors
+    names, dtypes, slab_of, offsets, nbytes, ndims = (list(t.name), list(t.dtype), list(t.slab), list(t.offset),
+                                                      list(t.nbytes), list(t.ndim))
+    shapes, strides = list(t.shape), list(t.strides)
+    count = len(names)
+    if any(len(column) != count for column in (dtypes, slab_of, offsets, nbytes, ndims)) \
+            or len(shapes) != sum(ndims) or len(strides) != len(shapes):
+        raise ProtocolError("the layout's tensor table has columns of different lengths")
     sizes = [slab.numel() for slab in slabs]
-    for tv in layout.tensors:
-        name, dtype_name, index, offset, nbytes = tv.name, tv.dtype, tv.slab, tv.offset, tv.nbytes
+    tensors, typed, pos = {}, {}, 0
+    for i in range(count):
+        name, dtype_name, index, offset, size, ndim = names[i], dtypes[i], slab_of[i], offsets[i], nbytes[i], ndims[i]
+        shape, stride = shapes[pos:pos + ndim], strides[pos:pos + ndim]
+        pos += ndim
         dtype = DTYPES.get(dtype_name)
         if dtype is None or index >= len(slabs):
             raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r} or slab {index}")
         itemsize = dtype.itemsize
-        if offset + nbytes > sizes[index] or nbytes % itemsize or offset % itemsize:
-            raise ProtocolError(f"tensor {name!r}: bytes {offset}+{nbytes} do not fit slab {index}")
-        shape, strides = tuple(tv.shape), tuple(tv.strides)
+        if offset + size > sizes[index] or size % itemsize or offset % itemsize:
+            raise ProtocolError(f"tensor {name!r}: bytes {offset}+{size} do not fit slab {index}")
         extent = 1
-        for d, s in zip(shape, strides):
+        for d, s in zip(shape, stride):
             if d < 0 or s < 0:
                 extent = -1
                 break
             extent = 0 if d == 0 or extent == 0 else extent + (d - 1) * s
-        if len(shape) != len(strides) or extent < 0 or extent * itemsize > nbytes:
-            raise ProtocolError(f"tensor {name!r}: shape {shape} strides {strides} do not fit its {nbytes} bytes")
-        base = typed.get((index, dtype_name))
-        if base is None:
+        if extent < 0 or extent * itemsize > size:
+            raise ProtocolError(f"tensor {name!r}: shape {shape} strides {stride} do not fit its {size} bytes")
+        typed_slab = typed.get((index, dtype_name))
+        if typed_slab is None:
             whole = sizes[index] - sizes[index] % itemsize
-            base = typed[(index, dtype_name)] = slabs[index].narrow(0, 0, whole).view(torch_dtype(dtype_name))
-        tensors[name] = base.as_strided(shape, strides, offset // itemsize)
+            base = slabs[index].narrow(0, 0, whole).view(torch_dtype(dtype_name))
+            # as_strided counts from the start of the storage, and a slab may be a view
+            # into a larger mapping (cuda-vmm maps every slab in one range).
+            typed_slab = typed[(index, dtype_name)] = (base, base.storage_offset())
+        base, start = typed_slab
+        tensors[name] = base.as_strided(shape, stride, start + offset // itemsize)
+    if len(tensors) != count:
+        raise ProtocolError(f"the layout names {count - len(tensors)} tensor(s) more than once")
     return tensors

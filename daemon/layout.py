@@ -75,8 +75,14 @@ def to_wire(plan: SlabPlan) -> "wire.Layout":
     layout = wire.Layout(version=LAYOUT_VERSION, alignment=plan.alignment)
     for index, size in enumerate(plan.slab_sizes):
         layout.slabs.add(index=index, size=size)
+    table = layout.tensors
     for p in sorted(plan.placements, key=lambda p: p.source.name):
-        layout.tensors.add(name=p.source.name, dtype=p.source.dtype, shape=p.source.shape,
-                           strides=contiguous_strides(p.source.shape), slab=p.slab, offset=p.offset,
-                           nbytes=p.source.nbytes)
+        table.name.append(p.source.name)
+        table.dtype.append(p.source.dtype)
+        table.slab.append(p.slab)
+        table.offset.append(p.offset)
+        table.nbytes.append(p.source.nbytes)
+        table.ndim.append(len(p.source.shape))
+        table.shape.extend(p.source.shape)
+        table.strides.extend(contiguous_strides(p.source.shape))
     return layout

@@ -102,7 +102,7 @@ class CacheServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         c = self.cache
         return wire.Status(
             cache_name=c.name, backend=c.backend, device=c.device, fingerprint=c.fingerprint,
-            fingerprint_digest=fp.digest(c.fingerprint), tensors=len(c.layout.tensors),
+            fingerprint_digest=fp.digest(c.fingerprint), tensors=len(c.layout.tensors.name),
             resident_bytes=c.resident_bytes, attached_clients=self.attached_clients,
             uptime_s=time.monotonic() - c.started, pid=os.getpid(), model_path=c.model_path, load_s=c.load_s,
         )

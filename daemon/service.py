@@ -47,7 +47,7 @@ class DaemonConfig:
     handshake_timeout: float = 5.0
     max_connections: int = 1024
     max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES
-    load_workers: int = 8
+    load_workers: int = 16
 
 
 def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
@@ -102,8 +102,10 @@ def load(config: DaemonConfig, backend) -> tuple[ResidentCache, list]:
     layout = to_wire(plan)
     for entry, slab in zip(layout.slabs, slabs):
         entry.size = slab.size  # backends round up (e.g. to the VMM granularity); engines map it all
+        entry.ipc_handle = slab.handle_bytes
+    fds = [s.export_fd() for s in slabs]
     cache = ResidentCache(name=config.name, backend=backend.name, device=backend.device, fingerprint=fingerprint,
-                          layout=layout, slab_fds=[s.export_fd() for s in slabs],
+                          layout=layout, slab_fds=[fd for fd in fds if fd is not None],
                           model_path=str(config.model_dir), load_s=seconds)
     return cache, slabs
 
@@ -144,7 +146,7 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     thread = threading.Thread(target=server.serve_forever, name="accept", daemon=True)
     thread.start()
     log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
-                                        "tensors": len(cache.layout.tensors), "bytes": cache.resident_bytes,
+                                        "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
                                         "load_s": round(cache.load_s, 3)}})
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")

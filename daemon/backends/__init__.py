@@ -9,7 +9,13 @@ def _cuda_vmm(device: str) -> Backend:
     return CudaVmmBackend(device)
 
 
-BACKENDS = {"cpu": lambda device: CpuBackend(), "cuda-vmm": _cuda_vmm}
+def _cuda_ipc(device: str) -> Backend:
+    from .cuda_ipc import CudaIpcBackend
+
+    return CudaIpcBackend(device)
+
+
+BACKENDS = {"cpu": lambda device: CpuBackend(), "cuda-vmm": _cuda_vmm, "cuda-ipc": _cuda_ipc}
 
 
 def make_backend(name: str, device: str = "0") -> Backend:

@@ -22,8 +22,11 @@ class Slab(ABC):
         """Make the slab immutable; called once, after filling, before it is exported."""
 
     @abstractmethod
-    def export_fd(self) -> int:
-        """The handle engines receive over SCM_RIGHTS. The slab keeps ownership."""
+    def export_fd(self) -> int | None:
+        """The handle engines receive over SCM_RIGHTS (the slab keeps ownership), or
+        None for a backend whose handle travels as bytes (handle_bytes)."""
+
+    handle_bytes: bytes = b""
 
     @abstractmethod
     def close(self) -> None:

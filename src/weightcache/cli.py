@@ -17,7 +17,7 @@ def _add_daemon(sub):
                        description="Load a model's weights once into sealed slabs and serve them to engines "
                                    "over a Unix socket until SIGTERM.")
     p.add_argument("--model", required=True, type=pathlib.Path, help="model directory (config.json, *.safetensors)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda-vmm"], help="memory backend (default: cpu)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda-vmm", "cuda-ipc"], help="memory backend (default: cpu)")
     p.add_argument("--device", default="0", help="GPU UUID or ordinal for the GPU backends (default: 0)")
     p.add_argument("--socket-dir", required=True, type=pathlib.Path, help="directory for the daemon's sockets")
     p.add_argument("--name", help="cache name (default: the model directory's name)")
@@ -30,7 +30,7 @@ def _add_daemon(sub):
     p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds a client has to send its request")
     p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections before refusing")
     p.add_argument("--max-slab-mib", type=int, default=1024, help="largest slab in MiB (larger tensors get their own)")
-    p.add_argument("--load-workers", type=int, default=8, help="parallel file readers during the cold load")
+    p.add_argument("--load-workers", type=int, default=16, help="parallel file readers during the cold load")
     p.add_argument("--ready-fd", type=int, help="write 'ready' to this inherited fd once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_daemon)

@@ -71,7 +71,49 @@ def test_padding_breaks_a_merge():
 def test_wire_layout_names_every_tensor_with_contiguous_strides():
     t = TensorSource("w", "BF16", (3, 4, 5), pathlib.Path("m.safetensors"), 0, 120)
     layout = to_wire(plan_slabs([t]))
-    (view,) = layout.tensors
-    assert (view.name, view.dtype, tuple(view.shape), tuple(view.strides)) == ("w", "BF16", (3, 4, 5), (20, 5, 1))
+    table = layout.tensors
+    assert (list(table.name), list(table.dtype), list(table.ndim)) == (["w"], ["BF16"], [3])
+    assert (list(table.shape), list(table.strides)) == ([3, 4, 5], [20, 5, 1])
     assert contiguous_strides(()) == ()
     assert contiguous_strides((0, 4)) == (4, 1)
+
+
+def test_views_land_in_their_own_slab_when_slabs_share_one_mapping():
+    # cuda-vmm maps every slab into one range and hands out narrows of it: a view must
+    # count from its slab's start, not from the start of the whole mapping.
+    import torch
+
+    from weightcache.client.mapping import build_views
+
+    tensors = [source(f"t{i}", 64, offset=64 * i, dtype="U8") for i in range(3)]
+    layout = to_wire(plan_slabs(tensors, alignment=64, max_slab_bytes=64))
+    whole = torch.arange(3 * 64, dtype=torch.uint8)
+    slabs = [whole.narrow(0, 64 * i, 64) for i in range(3)]
+    views = build_views(layout, slabs)
+    for i in range(3):
+        assert views[f"t{i}"][0].item() == 64 * i
+
+
+def test_a_layout_with_mismatched_columns_or_repeated_names_is_refused():
+    import torch
+
+    from weightcache.client.errors import ProtocolError
+    from weightcache.client.mapping import build_views
+
+    layout = to_wire(plan_slabs([source("a", 8), source("b", 8, offset=8)], alignment=8))
+    slabs = [torch.zeros(s.size, dtype=torch.uint8) for s in layout.slabs]
+    broken = type(layout)()
+    broken.CopyFrom(layout)
+    broken.tensors.nbytes.append(1)
+    with pytest.raises(ProtocolError, match="different lengths"):
+        build_views(broken, slabs)
+    repeated = type(layout)()
+    repeated.CopyFrom(layout)
+    repeated.tensors.name[1] = "a"
+    with pytest.raises(ProtocolError, match="more than once"):
+        build_views(repeated, slabs)
+    outside = type(layout)()
+    outside.CopyFrom(layout)
+    outside.tensors.offset[1] = 1 << 20
+    with pytest.raises(ProtocolError, match="do not fit slab"):
+        build_views(outside, slabs)

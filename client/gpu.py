@@ -1,4 +1,5 @@
-"""CUDA virtual memory management (cuda.bindings.driver): the pieces both sides use.
+"""The CUDA driver (cuda.bindings.driver) as both sides use it: devices by UUID,
+virtual memory management (VMM) for `cuda-vmm`, legacy IPC handles for `cuda-ipc`.
 
 The daemon creates slabs with cuMemCreate (POSIX-fd handle type) and exports an fd per
 slab; an engine imports the fd, reserves an address range, maps it and sets READ-ONLY
@@ -103,23 +104,13 @@ def granularity(ordinal: int) -> int:
         "cuMemGetAllocationGranularity")
 
 
-class Mapping:
-    """A mapped VMM allocation; unmapped and released when the last tensor on it goes.
+class _DeviceBuffer:
+    """Device memory exposed through __cuda_array_interface__, so torch.as_tensor wraps
+    it without a copy and keeps this object (and so the memory) alive with the tensor."""
 
-    Exposes __cuda_array_interface__ so torch.as_tensor wraps it without a copy and
-    keeps this object alive as long as the tensor.
-    """
-
-    def __init__(self, handle, size: int, ordinal: int, read_only: bool):
-        driver = _driver()
-        self.size, self.ordinal, self._handle = size, ordinal, handle
-        self.ptr = check(driver.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
-        try:
-            check(driver.cuMemMap(self.ptr, size, 0, handle, 0), "cuMemMap")
-            check(driver.cuMemSetAccess(self.ptr, size, [access(ordinal, read_only)], 1), "cuMemSetAccess")
-        except CudaError:
-            self.close()
-            raise
+    size: int
+    ordinal: int
+    ptr = None
 
     @property
     def __cuda_array_interface__(self):
@@ -132,14 +123,7 @@ class Mapping:
         return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
 
     def close(self) -> None:
-        driver = _driver()
-        if self.ptr is not None:
-            driver.cuMemUnmap(self.ptr, self.size)
-            driver.cuMemAddressFree(self.ptr, self.size)
-            self.ptr = None
-        if self._handle is not None:
-            driver.cuMemRelease(self._handle)
-            self._handle = None
+        raise NotImplementedError
 
     def __del__(self):
         try:
@@ -148,17 +132,95 @@ class Mapping:
             pass
 
 
-def import_slab(fd: int, size: int, device: str):
-    """Map a daemon's slab fd read-only on `device` and return it as a uint8 tensor."""
+class Mapping(_DeviceBuffer):
+    """VMM allocations mapped back to back in one reserved address range, so that one
+    cuMemSetAccess covers them all and one tensor spans them; unmapped and released
+    when the last tensor on them goes."""
+
+    def __init__(self, handles: list, sizes: list[int], ordinal: int, read_only: bool):
+        driver = _driver()
+        self.size, self.ordinal = sum(sizes), ordinal
+        self._handles, self._mapped = list(handles), []
+        self.ptr = check(driver.cuMemAddressReserve(self.size, 0, 0, 0), "cuMemAddressReserve")
+        try:
+            offset = 0
+            for handle, size in zip(handles, sizes):
+                check(driver.cuMemMap(int(self.ptr) + offset, size, 0, handle, 0), "cuMemMap")
+                self._mapped.append((int(self.ptr) + offset, size))
+                offset += size
+            check(driver.cuMemSetAccess(self.ptr, self.size, [access(ordinal, read_only)], 1), "cuMemSetAccess")
+        except CudaError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        driver = _driver()
+        for address, size in self._mapped:
+            driver.cuMemUnmap(address, size)
+        self._mapped = []
+        if self.ptr is not None:
+            driver.cuMemAddressFree(self.ptr, self.size)
+            self.ptr = None
+        for handle in self._handles:
+            driver.cuMemRelease(handle)
+        self._handles = []
+
+
+class IpcMapping(_DeviceBuffer):
+    """Another process's cudaMalloc'd memory opened through a legacy IPC handle.
+
+    Legacy IPC cannot map read-only, and it needs the engine and the daemon to share
+    the IPC and PID namespaces (hostIPC and hostPID pods): cuda-vmm needs neither.
+    """
+
+    def __init__(self, handle_bytes: bytes, size: int, ordinal: int):
+        driver = _driver()
+        handle = driver.CUipcMemHandle()
+        handle.reserved = handle_bytes
+        self.size, self.ordinal = size, ordinal
+        flags = driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        self.ptr = check(driver.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle")
+
+    def close(self) -> None:
+        if self.ptr is not None:
+            _driver().cuIpcCloseMemHandle(self.ptr)
+            self.ptr = None
+
+
+def import_slabs(fds: list[int], sizes: list[int], device: str) -> list:
+    """Map a daemon's slab fds read-only on `device`; one uint8 tensor per slab, all
+    views on one mapping."""
     driver = _driver()
     ordinal = ordinal_for(device)
     make_current(ordinal)
+    step = granularity(ordinal)
+    if any(size % step for size in sizes):
+        raise ProtocolError(f"slab sizes {sizes} are not multiples of the allocation granularity {step}")
     handle_type = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    handle = check(driver.cuMemImportFromShareableHandle(fd, handle_type), "cuMemImportFromShareableHandle")
-    if size % granularity(ordinal):
-        driver.cuMemRelease(handle)
-        raise ProtocolError(f"slab size {size} is not a multiple of the allocation granularity")
-    return Mapping(handle, size, ordinal, read_only=True).tensor()
+    handles = []
+    try:
+        for fd in fds:
+            handles.append(check(driver.cuMemImportFromShareableHandle(fd, handle_type),
+                                 "cuMemImportFromShareableHandle"))
+    except CudaError:
+        for handle in handles:
+            driver.cuMemRelease(handle)
+        raise
+    whole = Mapping(handles, sizes, ordinal, read_only=True).tensor()
+    slabs, offset = [], 0
+    for size in sizes:
+        slabs.append(whole.narrow(0, offset, size))
+        offset += size
+    return slabs
+
+
+def import_ipc_slab(handle_bytes: bytes, size: int, device: str):
+    """Open a daemon's cuda-ipc slab on `device` as a uint8 tensor (writable: see IpcMapping)."""
+    ordinal = ordinal_for(device)
+    make_current(ordinal)
+    if len(handle_bytes) != 64:
+        raise ProtocolError(f"cuda-ipc handle of {len(handle_bytes)} bytes; expected 64")
+    return IpcMapping(handle_bytes, size, ordinal).tensor()
 
 
 def fingerprint_device(device: str):

@@ -1,0 +1,45 @@
+"""Host-to-device loading shared by the GPU backends.
+
+File ranges stream through a pinned staging buffer per loader thread and are copied
+to the device asynchronously on that thread's stream; with several loader threads,
+one thread's disk read overlaps another's copy.
+"""
+
+import os
+import threading
+
+from weightcache.client import gpu
+from weightcache.client.errors import CheckpointError
+
+STAGING_BYTES = 64 << 20
+
+
+class Staging(threading.local):
+    """One pinned host buffer and one stream per loader thread."""
+
+    def get(self, ordinal: int):
+        if not hasattr(self, "buffer"):
+            import torch
+
+            torch.cuda.set_device(ordinal)  # pinned memory must not start a context on GPU 0
+            gpu.make_current(ordinal)
+            self.buffer = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+            self.view = memoryview(self.buffer.numpy())
+            self.stream = gpu.check(gpu._driver().cuStreamCreate(1), "cuStreamCreate")  # non-blocking
+        return self
+
+
+def copy_file_to_device(stage, fd: int, file_offset: int, dst_ptr: int, nbytes: int) -> None:
+    driver = gpu._driver()
+    done = 0
+    while done < nbytes:
+        want = min(nbytes - done, STAGING_BYTES)
+        got = os.preadv(fd, [stage.view[:want]], file_offset + done)
+        if got == 0:
+            raise CheckpointError(f"file ended {nbytes - done} bytes early at offset {file_offset + done}; "
+                                  "was it changed while loading?")
+        gpu.check(driver.cuMemcpyHtoDAsync(dst_ptr + done, stage.buffer.data_ptr(), got, stage.stream),
+                  "cuMemcpyHtoDAsync")
+        # The buffer is reused for the next read: wait for this copy first.
+        gpu.check(driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
+        done += got

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from .attach import AttachedWeights, attach, list_sockets
 from .disk import load_from_disk
 from .errors import CacheUnavailable, FingerprintMismatch
+from .fingerprint import Parallelism
 from .spawn import EXIT_ALREADY_SERVED, DaemonStartFailed, spawn_daemon
 
 log = logging.getLogger("weightcache.client")
@@ -34,6 +35,8 @@ class ClientSettings:
     cache_name: str | None = None
     device: str = "cpu"
     revision: str = ""
+    tp_size: int = 1
+    tp_rank: int = 0
     timeout: float = 10.0
     # How long mode=daemon waits for a daemon it started to finish loading.
     start_timeout: float = 600.0
@@ -55,7 +58,7 @@ class ClientSettings:
         for f in fields(cls):
             raw = env.get(f"WEIGHTCACHE_{f.name.upper()}")
             if raw is not None:
-                values[f.name] = float(raw) if f.type is float else raw
+                values[f.name] = f.type(raw) if f.type in (int, float) else raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -101,7 +104,8 @@ def _from_disk(model_dir, settings, reason) -> LoadedWeights:
 def _attach(model_dir, settings) -> AttachedWeights:
     def once():
         return attach(model_dir, socket_dir=settings.socket_dir, cache_name=settings.cache_name,
-                      device=settings.device, revision=settings.revision, timeout=settings.timeout)
+                      device=settings.device, revision=settings.revision, timeout=settings.timeout,
+                      parallel=Parallelism(tp_size=settings.tp_size, tp_rank=settings.tp_rank))
 
     if settings.mode == "client":
         return once()
@@ -128,7 +132,11 @@ def start_daemon(model_dir, settings: ClientSettings) -> None:
     log_path = socket_dir / f"{name}.daemon.log"
     with open(log_path, "ab") as log_file:
         try:
-            spawn_daemon(model_dir, socket_dir, name, ["--revision", settings.revision], detached=True,
+            args = ["--revision", settings.revision, "--tp-size", str(settings.tp_size),
+                    "--tp-rank", str(settings.tp_rank)]
+            if settings.device != "cpu":
+                args += ["--backend", "cuda-vmm", "--device", settings.device]
+            spawn_daemon(model_dir, socket_dir, name, args, detached=True,
                          stdout=log_file, stderr=log_file, timeout=settings.start_timeout)
         except DaemonStartFailed as exc:
             if exc.returncode != EXIT_ALREADY_SERVED:

@@ -23,12 +23,17 @@ FP8_SCALE_SUFFIXES = ("_scale_inv", "_scale")
 
 @dataclass(frozen=True)
 class TensorSource:
+    """Where a tensor's bytes are in a file: `rows` pieces of nbytes/rows bytes, `pitch`
+    bytes apart (one contiguous range unless a tensor-parallel shard cut its rows)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     path: pathlib.Path
     offset: int  # absolute byte offset in the file
     nbytes: int
+    rows: int = 1
+    pitch: int = 0
 
 
 @dataclass(frozen=True)

@@ -16,20 +16,30 @@ CHUNK_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Read:
+    """nbytes from a file into a slab; with rows > 1, rows pieces pitch bytes apart in
+    the file, packed back to back in the slab."""
+
     path: str
     file_offset: int
     slab: int
     slab_offset: int
     nbytes: int
+    rows: int = 1
+    pitch: int = 0
 
 
 def plan_reads(plan: SlabPlan, chunk_bytes: int = CHUNK_BYTES) -> list[Read]:
     """Merge tensors that sit back to back both in their file and in their slab into
     one read, then cut reads into chunks so every worker has something to do."""
     merged: list[Read] = []
+    strided: list[Read] = []
     for p in plan.placements:
         src = p.source
         if src.nbytes == 0:
+            continue
+        if src.rows > 1:
+            strided += _row_chunks(Read(str(src.path), src.offset, p.slab, p.offset, src.nbytes, src.rows, src.pitch),
+                                   chunk_bytes)
             continue
         last = merged[-1] if merged else None
         if (last and last.path == str(src.path) and last.slab == p.slab
@@ -43,7 +53,19 @@ def plan_reads(plan: SlabPlan, chunk_bytes: int = CHUNK_BYTES) -> list[Read]:
         for start in range(0, r.nbytes, chunk_bytes):
             n = min(chunk_bytes, r.nbytes - start)
             chunks.append(Read(r.path, r.file_offset + start, r.slab, r.slab_offset + start, n))
-    return chunks
+    return chunks + strided
+
+
+def _row_chunks(r: Read, chunk_bytes: int) -> list[Read]:
+    """Cut a strided read into pieces of whole rows that span at most chunk_bytes of file."""
+    width = r.nbytes // r.rows
+    per_chunk = max(1, chunk_bytes // r.pitch)
+    out = []
+    for first in range(0, r.rows, per_chunk):
+        rows = min(per_chunk, r.rows - first)
+        out.append(Read(r.path, r.file_offset + first * r.pitch, r.slab, r.slab_offset + first * width,
+                        rows * width, rows, r.pitch))
+    return out
 
 
 def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: float = 2.0) -> float:
@@ -55,8 +77,7 @@ def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: flo
     done_bytes = 0
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:
-            pending = {pool.submit(slabs[r.slab].write_from_file, fds[r.path], r.file_offset, r.slab_offset, r.nbytes): r
-                       for r in reads}
+            pending = {pool.submit(_copy, slabs[r.slab], fds[r.path], r): r for r in reads}
             while pending:
                 finished, _ = wait(pending, timeout=progress_every_s, return_when=FIRST_EXCEPTION)
                 for future in finished:
@@ -67,6 +88,13 @@ def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: flo
         for fd in fds.values():
             os.close(fd)
     return time.perf_counter() - start
+
+
+def _copy(slab, fd: int, r: Read) -> None:
+    if r.rows > 1:
+        slab.write_rows_from_file(fd, r.file_offset, r.pitch, r.nbytes // r.rows, r.rows, r.slab_offset)
+    else:
+        slab.write_from_file(fd, r.file_offset, r.slab_offset, r.nbytes)
 
 
 def _log_progress(done: int, total: int, elapsed: float) -> None:

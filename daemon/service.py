@@ -23,6 +23,7 @@ from .backends import make_backend
 from .checkpoint import read_checkpoint
 from .layout import DEFAULT_MAX_SLAB_BYTES, plan_slabs, to_wire
 from .loader import fill_slabs
+from .sharding import plan_for, shard
 from .server import AccessPolicy, CacheServer, ResidentCache
 
 log = logging.getLogger("weightcache.daemon")
@@ -41,6 +42,7 @@ class DaemonConfig:
     device: str = "0"  # GPU UUID or ordinal for the GPU backends
     revision: str = ""
     parallel: fp.Parallelism = fp.Parallelism()
+    tp_plan: pathlib.Path | None = None  # default: the config's base_model_tp_plan
     allow_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.geteuid()}))
     allow_gids: frozenset[int] = frozenset()
     socket_group: int | None = None  # shares the directory (0750) and sockets (0660) with this group
@@ -89,10 +91,12 @@ def claim(socket_dir: pathlib.Path, name: str, device: str) -> int:
 
 def load(config: DaemonConfig, backend) -> tuple[ResidentCache, list]:
     checkpoint = read_checkpoint(config.model_dir)
-    plan = plan_slabs(checkpoint.tensors, max_slab_bytes=config.max_slab_bytes)
-    log.info("loading", extra={"fields": {"model": str(config.model_dir), "tensors": len(checkpoint.tensors),
-                                          "bytes": checkpoint.nbytes, "slabs": len(plan.slab_sizes),
-                                          "backend": backend.name}})
+    par = config.parallel
+    tensors = shard(checkpoint.tensors, plan_for(checkpoint.config, config.tp_plan), par.tp_size, par.tp_rank)
+    plan = plan_slabs(tensors, max_slab_bytes=config.max_slab_bytes)
+    log.info("loading", extra={"fields": {"model": str(config.model_dir), "tensors": len(tensors),
+                                          "bytes": sum(t.nbytes for t in tensors), "slabs": len(plan.slab_sizes),
+                                          "backend": backend.name, "tp": f"{par.tp_rank}/{par.tp_size}"}})
     slabs = [backend.allocate(size, f"weightcache:{config.name}:{i}") for i, size in enumerate(plan.slab_sizes)]
     seconds = fill_slabs(plan, slabs, workers=config.load_workers)
     for slab in slabs:

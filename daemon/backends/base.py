@@ -18,6 +18,12 @@ class Slab(ABC):
         once for disjoint ranges."""
 
     @abstractmethod
+    def write_rows_from_file(self, fd: int, file_offset: int, pitch: int, width: int, rows: int,
+                             slab_offset: int) -> None:
+        """Copy `rows` pieces of `width` bytes, `pitch` bytes apart in the file, into the
+        slab back to back (a tensor-parallel shard along the last dim)."""
+
+    @abstractmethod
     def seal(self) -> None:
         """Make the slab immutable; called once, after filling, before it is exported."""
 

@@ -17,6 +17,16 @@ from .base import Backend, Slab
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
+def _read_fully(fd: int, target: memoryview, file_offset: int) -> None:
+    done, nbytes = 0, len(target)
+    while done < nbytes:
+        n = os.preadv(fd, [target[done:]], file_offset + done)
+        if n == 0:
+            raise CheckpointError(f"file ended {nbytes - done} bytes early at offset {file_offset + done}; "
+                                  "was it changed while loading?")
+        done += n
+
+
 class MemfdSlab(Slab):
     def __init__(self, size: int, label: str):
         self.size = size
@@ -26,15 +36,17 @@ class MemfdSlab(Slab):
         self._view = memoryview(self._map)
 
     def write_from_file(self, fd, file_offset, slab_offset, nbytes):
-        target = self._view[slab_offset:slab_offset + nbytes]
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [target[done:]], file_offset + done)
-            if n == 0:
-                raise CheckpointError(f"file ended {nbytes - done} bytes early at offset {file_offset + done}; "
-                                      "was it changed while loading?")
-            done += n
-        target.release()
+        _read_fully(fd, self._view[slab_offset:slab_offset + nbytes], file_offset)
+
+    def write_rows_from_file(self, fd, file_offset, pitch, width, rows, slab_offset):
+        import numpy as np
+
+        span = (rows - 1) * pitch + width
+        region = bytearray(span)
+        _read_fully(fd, memoryview(region), file_offset)
+        src = np.lib.stride_tricks.as_strided(np.frombuffer(region, dtype=np.uint8), (rows, width), (pitch, 1))
+        dst = np.frombuffer(self._view[slab_offset:slab_offset + rows * width], dtype=np.uint8).reshape(rows, width)
+        dst[:] = src
 
     def seal(self):
         # F_SEAL_WRITE is refused while a writable shared mapping exists: drop ours first.

@@ -8,7 +8,7 @@ read-only: prefer `cuda-vmm`, which needs neither.
 from weightcache.client import gpu
 
 from .base import Backend, Slab
-from .cuda_staging import Staging, copy_file_to_device
+from .cuda_staging import Staging, copy_file_to_device, copy_rows_to_device
 
 
 class IpcSlab(Slab):
@@ -21,6 +21,10 @@ class IpcSlab(Slab):
 
     def write_from_file(self, fd, file_offset, slab_offset, nbytes):
         copy_file_to_device(self._staging.get(self._ordinal), fd, file_offset, int(self._ptr) + slab_offset, nbytes)
+
+    def write_rows_from_file(self, fd, file_offset, pitch, width, rows, slab_offset):
+        copy_rows_to_device(self._staging.get(self._ordinal), fd, file_offset, pitch, width, rows,
+                            int(self._ptr) + slab_offset)
 
     def seal(self):
         pass  # legacy IPC has no read-only mapping; see the module docstring

@@ -43,3 +43,31 @@ def copy_file_to_device(stage, fd: int, file_offset: int, dst_ptr: int, nbytes: 
         # The buffer is reused for the next read: wait for this copy first.
         gpu.check(driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
         done += got
+
+
+def copy_rows_to_device(stage, fd: int, file_offset: int, pitch: int, width: int, rows: int, dst_ptr: int) -> None:
+    """`rows` pieces of `width` bytes, `pitch` apart in the file, packed at dst_ptr: read
+    the span into the staging buffer, then one 2-D copy per batch of rows."""
+    driver = gpu._driver()
+    if width > STAGING_BYTES:
+        raise CheckpointError(f"a row of {width} bytes does not fit the {STAGING_BYTES}-byte staging buffer")
+    per_batch = max(1, (STAGING_BYTES - width) // pitch + 1)
+    for first in range(0, rows, per_batch):
+        count = min(per_batch, rows - first)
+        span = (count - 1) * pitch + width
+        got = os.preadv(fd, [stage.view[:span]], file_offset + first * pitch)
+        if got < span:
+            raise CheckpointError(f"file ended early at offset {file_offset + first * pitch + got}; "
+                                  "was it changed while loading?")
+        copy = driver.CUDA_MEMCPY2D()
+        copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+        copy.srcHost = stage.buffer.data_ptr()
+        copy.srcPitch = pitch
+        copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.dstDevice = dst_ptr + first * width
+        copy.dstPitch = width
+        copy.WidthInBytes = width
+        copy.Height = count
+        gpu.check(driver.cuMemcpy2DAsync(copy, stage.stream), "cuMemcpy2DAsync")
+        gpu.check(driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
+

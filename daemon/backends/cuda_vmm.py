@@ -11,7 +11,7 @@ import os
 from weightcache.client import gpu
 
 from .base import Backend, Slab
-from .cuda_staging import Staging, copy_file_to_device
+from .cuda_staging import Staging, copy_file_to_device, copy_rows_to_device
 
 
 class VmmSlab(Slab):
@@ -27,6 +27,10 @@ class VmmSlab(Slab):
     def write_from_file(self, fd, file_offset, slab_offset, nbytes):
         copy_file_to_device(self._staging.get(self._ordinal), fd, file_offset, int(self._mapping.ptr) + slab_offset,
                             nbytes)
+
+    def write_rows_from_file(self, fd, file_offset, pitch, width, rows, slab_offset):
+        copy_rows_to_device(self._staging.get(self._ordinal), fd, file_offset, pitch, width, rows,
+                            int(self._mapping.ptr) + slab_offset)
 
     def seal(self):
         pass  # engines map read-only; the daemon never writes after the load

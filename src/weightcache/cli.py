@@ -12,6 +12,17 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
+def _add_tp(p):
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--tp-rank", type=int, default=0, help="this cache's tensor-parallel rank")
+
+
+def _parallel(args):
+    from weightcache.client import Parallelism
+
+    return Parallelism(tp_size=args.tp_size, tp_rank=args.tp_rank)
+
+
 def _add_daemon(sub):
     p = sub.add_parser("daemon", help="load a model and serve it over a Unix socket (foreground)",
                        description="Load a model's weights once into sealed slabs and serve them to engines "
@@ -22,6 +33,10 @@ def _add_daemon(sub):
     p.add_argument("--socket-dir", required=True, type=pathlib.Path, help="directory for the daemon's sockets")
     p.add_argument("--name", help="cache name (default: the model directory's name)")
     p.add_argument("--revision", default="", help="model revision recorded in the fingerprint")
+    _add_tp(p)
+    p.add_argument("--tp-plan", type=pathlib.Path,
+                   help="JSON tensor-parallel plan (module pattern -> colwise|rowwise|...); "
+                        "default: the config's base_model_tp_plan")
     p.add_argument("--allow-uid", type=int, action="append", default=[],
                    help="peer uid allowed to connect (repeatable; default: the daemon's own uid)")
     p.add_argument("--allow-gid", type=int, action="append", default=[], help="peer gid allowed to connect (repeatable)")
@@ -43,7 +58,8 @@ def _cmd_daemon(args) -> int:
     uids = frozenset(args.allow_uid) or frozenset({os.geteuid()})
     config = DaemonConfig(
         model_dir=args.model.resolve(), socket_dir=args.socket_dir, name=args.name or default_cache_name(args.model),
-        backend=args.backend, device=args.device, revision=args.revision, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
+        backend=args.backend, device=args.device, revision=args.revision, parallel=_parallel(args),
+        tp_plan=args.tp_plan, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
         socket_group=args.socket_group, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_connections, max_slab_bytes=args.max_slab_mib << 20, load_workers=args.load_workers,
     )
@@ -59,6 +75,7 @@ def _add_attach(sub):
     p.add_argument("--cache", help="cache name (default: any cache serving this fingerprint)")
     p.add_argument("--device", default="cpu", help="'cpu' or a GPU UUID")
     p.add_argument("--revision", default="")
+    _add_tp(p)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--verify", action="store_true", help="compare every tensor's bytes with the files on disk")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -69,8 +86,11 @@ def _cmd_attach(args) -> int:
     from weightcache.client import attach, compare_with_disk
     from weightcache.client.fingerprint import digest
 
+    if args.verify and args.tp_size > 1:
+        raise ValueError("--verify compares with whole tensors on disk; it cannot check a tensor-parallel shard")
     with attach(args.model, socket_dir=args.socket_dir, cache_name=args.cache, device=args.device,
-                revision=args.revision, timeout=args.timeout, client_name="weightcache-attach") as att:
+                revision=args.revision, parallel=_parallel(args), timeout=args.timeout,
+                client_name="weightcache-attach") as att:
         problems = compare_with_disk(att.tensors, args.model) if args.verify else None
         result = {
             "attach_ms": round(att.attach_ms, 3), "tensors": len(att.tensors), "bytes": att.resident_bytes,

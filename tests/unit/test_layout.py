@@ -117,3 +117,14 @@ def test_a_layout_with_mismatched_columns_or_repeated_names_is_refused():
     outside.tensors.offset[1] = 1 << 20
     with pytest.raises(ProtocolError, match="do not fit slab"):
         build_views(outside, slabs)
+
+
+def test_a_strided_shard_is_read_in_chunks_of_whole_rows():
+    from dataclasses import replace
+
+    t = replace(source("w", 40, offset=8), rows=10, pitch=12)  # 10 rows of 4 bytes, 12 apart
+    plan = plan_slabs([t], alignment=4)
+    reads = plan_reads(plan, chunk_bytes=36)
+    assert [(r.file_offset, r.slab_offset, r.nbytes, r.rows) for r in reads] == [
+        (8, 0, 12, 3), (44, 12, 12, 3), (80, 24, 12, 3), (116, 36, 4, 1)]
+    assert all(r.pitch == 12 for r in reads)

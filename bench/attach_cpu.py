@@ -17,6 +17,7 @@ weight path is timed. Prints a table and writes JSON under bench/results/.
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import platform
 import signal
@@ -89,6 +90,17 @@ def timed_child(code: str, model_dir, socket_dir, tensors: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def drop_page_cache() -> str:
+    """Flush the new checkpoint (its write-back must not race the daemon's reads) and,
+    where permitted (root), drop the page cache so the daemon's load is a cold one."""
+    os.sync()
+    try:
+        pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return "dropped before the daemon's load"
+    except OSError:
+        return "warm (no permission to drop it)"
+
+
 def versions() -> dict:
     import safetensors
     import torch
@@ -126,6 +138,7 @@ def main() -> int:
         tmp = pathlib.Path(tmp)
         print(f"writing a {args.tensors}-tensor, {args.gib} GiB bf16 checkpoint ...", file=sys.stderr, flush=True)
         model = write_model(tmp / "model", uniform_specs(args.tensors, int(args.gib * (1 << 30))), shards=args.shards)
+        page_cache = drop_page_cache()
         socket_dir = tmp / "s"
         daemon = spawn_daemon(model, socket_dir, "bench", ["--log-level", "warning"], timeout=1800)
         try:
@@ -146,6 +159,7 @@ def main() -> int:
         "versions": versions(),
         "model": {"tensors": args.tensors, "bytes": status.resident_bytes, "dtype": "BF16", "shards": args.shards},
         "daemon_cold_load_s": status.load_s,
+        "page_cache": page_cache,
         "repeats": args.repeats,
         "results": results,
         "ratios_vs_attach": {k: v["median_ms"] / attach_ms for k, v in results.items()},
@@ -158,7 +172,7 @@ def main() -> int:
     print(f"{'method':<32} {'median ms':>10} {'min ms':>10} {'vs attach':>10}")
     for name, r in results.items():
         print(f"{name:<32} {r['median_ms']:>10.1f} {r['min_ms']:>10.1f} {r['median_ms'] / attach_ms:>9.1f}x")
-    print(f"daemon cold load: {status.load_s:.2f} s\nwrote {out}")
+    print(f"daemon cold load: {status.load_s:.2f} s (page cache {page_cache})\nwrote {out}")
     return 0
 
 

@@ -145,6 +145,9 @@ def start_daemon(model_dir, settings: ClientSettings) -> None:
 
 
 def _wait_for_socket(socket_dir, name, settings) -> None:
+    """Wait for the daemon that won the start race to publish its socket. Its ready pipe
+    belongs to whoever started it, so polling the directory is the condition left to us;
+    the attach that follows still checks it with a handshake."""
     deadline = time.monotonic() + settings.start_timeout
     while not list_sockets(socket_dir, name, settings.device):
         if time.monotonic() > deadline:

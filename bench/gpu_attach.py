@@ -39,6 +39,7 @@ a = attach(sys.argv[1], socket_dir=sys.argv[2], device=sys.argv[3])
 torch.cuda.synchronize()
 ms = (time.perf_counter() - t) * 1e3
 assert len(a.tensors) == int(sys.argv[4]) and a.backend == sys.argv[5], (len(a.tensors), a.backend)
+print("phases", {k: round(v, 2) for k, v in a.phases_ms.items()}, file=sys.stderr)
 print(ms)
 """
 
@@ -97,6 +98,9 @@ def child(code: str, work: pathlib.Path, *args) -> float:
     out = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child failed:\n{out.stderr[-4000:]}")
+    for line in out.stderr.splitlines():
+        if line.startswith("phases"):
+            print(f"    {line}", file=sys.stderr, flush=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -95,7 +95,7 @@ def _cmd_attach(args) -> int:
         result = {
             "attach_ms": round(att.attach_ms, 3), "tensors": len(att.tensors), "bytes": att.resident_bytes,
             "fingerprint": digest(att.fingerprint), "verified": None if problems is None else not problems,
-            "socket": att.socket_path,
+            "socket": att.socket_path, "phases_ms": {k: round(v, 3) for k, v in att.phases_ms.items()},
         }
         if problems:
             result["mismatches"] = problems[:20]

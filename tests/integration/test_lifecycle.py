@@ -80,6 +80,8 @@ def test_attach_cli_verifies_every_tensor_against_disk(small_model, socket_dir, 
     assert report["tensors"] == 15
     assert report["bytes"] == status_of(socket_dir).resident_bytes
     assert set(report) >= {"attach_ms", "tensors", "bytes", "fingerprint", "verified"}
+    assert set(report["phases_ms"]) == {"fingerprint", "handshake", "map", "views"}
+    assert sum(report["phases_ms"].values()) <= report["attach_ms"] + 0.01
 
 
 def test_status_json_describes_each_cache(small_model, socket_dir, daemons):

@@ -134,7 +134,7 @@ def read_checkpoint(model_dir) -> Checkpoint:
             where[t.name] = path.name
             tensors.append(t)
     if weight_map is not None:
-        wrong = [f"{n} (index: {f}, found in: {where.get(n, 'no shard')})"
+        wrong = [f"{n} (index: {f}, found in: {where.get(n, 'none of the shards the index names')})"
                  for n, f in weight_map.items() if where.get(n) != f]
         unlisted = sorted(set(where) - set(weight_map))
         if wrong or unlisted:

@@ -206,7 +206,7 @@ def test_index_listing_a_tensor_no_shard_holds_is_refused(tmp_path):
     index = json.loads(index_path.read_text())
     index["weight_map"]["ghost"] = "model-00001-of-00002.safetensors"
     index_path.write_text(json.dumps(index))
-    refused(model, "index disagrees", "ghost (index: model-00001-of-00002.safetensors, found in: no shard)")
+    refused(model, "index disagrees", "ghost (index: model-00001-of-00002.safetensors, found in: none of the shards the index names)")
 
 
 def test_tensor_in_a_shard_but_not_in_the_index_is_refused(tmp_path):

@@ -1,0 +1,93 @@
+"""The WeightCache CRD against a real kube-apiserver: defaults, explain, printer
+columns, and invalid resources refused with messages that name the field."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from cluster.handle import wait_for
+
+CRD = pathlib.Path(__file__).resolve().parents[2] / "crds" / "weightcache.io_weightcaches.yaml"
+
+
+@pytest.fixture(scope="module")
+def crd(cluster):
+    cluster.kubectl("apply", "-f", str(CRD))
+    wait_for(lambda: cluster.kubectl("get", "crd", "weightcaches.weightcache.io", "-o",
+                                     "jsonpath={.status.conditions[?(@.type=='Established')].status}").stdout == "True",
+             timeout=30, what="the WeightCache CRD to be established")
+    return cluster
+
+
+def cache(name: str, **spec) -> dict:
+    return {"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "metadata": {"name": name},
+            "spec": {"model": {"path": "/models/llama"}, **spec}}
+
+
+def create(cluster, namespace, manifest, check=True):
+    return cluster.kubectl("create", "--validate=strict", "-n", namespace, "-f", "-", input=json.dumps(manifest),
+                           check=check)
+
+
+def test_a_minimal_cache_gets_its_defaults(crd, namespace):
+    create(crd, namespace, cache("llama"))
+    got = crd.kubectl_json("get", "wc", "llama", "-n", namespace)["spec"]
+    assert got["backend"] == "cuda-vmm" and got["dtype"] == "auto" and got["quantization"] == "none"
+    assert got["parallelism"] == {"tensor": 1, "pipeline": 1, "data": 1}
+    assert got["clientPolicy"] == {"fallback": "disk"}
+
+
+def test_get_shows_the_printer_columns(crd, namespace):
+    create(crd, namespace, cache("shown"))
+    header = crd.kubectl("get", "wc", "-n", namespace).stdout.splitlines()[0].split()
+    assert header == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "AGE"]
+
+
+def test_explain_documents_the_fields(crd):
+    out = crd.kubectl("explain", "wc.spec.placement").stdout
+    assert "gpuUUIDs" in out and "by UUID" in out and "gpusPerNode" in out
+    assert "fp8-block" in crd.kubectl("explain", "wc.spec.quantization").stdout
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"parallelism": {"tensor": 8, "pipeline": 2}, "placement": {"gpusPerNode": 8}},
+     "tensor * pipeline must fit the GPUs of one node"),
+    ({"parallelism": {"tensor": 4}, "placement": {"gpuUUIDs": ["GPU-00000000-0000-0000-0000-000000000001"]}},
+     "tensor * pipeline must fit"),
+    ({"placement": {"gpusPerNode": 2, "gpuUUIDs": ["GPU-00000000-0000-0000-0000-000000000001"]}},
+     "set gpusPerNode or gpuUUIDs, not both"),
+    ({"backend": "cuda-ipc"}, "allowHostIPC: true"),
+    ({"quantization": "awq"}, 'spec.quantization: Unsupported value: "awq"'),
+    ({"backend": "rdma"}, 'spec.backend: Unsupported value: "rdma"'),
+    ({"parallelism": {"tensor": 0}}, "spec.parallelism.tensor"),
+    ({"placement": {"gpuUUIDs": ["0"]}}, "spec.placement.gpuUUIDs[0]"),
+    ({"model": {"path": "models/llama"}}, "model.path must be an absolute path"),
+    ({"model": {"path": "/models/../etc"}}, "model.path must not contain '..'"),
+    ({"model": {"path": "/m", "volume": {"hostPath": {"path": "/a"}, "persistentVolumeClaim": {"claimName": "c"}}}},
+     "spec.model.volume"),
+    ({"replicas": 3}, 'unknown field "spec.replicas"'),
+])
+def test_invalid_caches_are_refused_naming_the_field(crd, namespace, spec, needle):
+    manifest = cache("bad")
+    manifest["spec"].update(spec)
+    result = create(crd, namespace, manifest, check=False)
+    assert result.returncode != 0
+    assert needle in result.stderr, result.stderr
+
+
+def test_cuda_ipc_is_accepted_when_host_ipc_is_allowed(crd, namespace):
+    create(crd, namespace, cache("ipc", backend="cuda-ipc", allowHostIPC=True))
+    assert crd.kubectl_json("get", "wc", "ipc", "-n", namespace)["spec"]["backend"] == "cuda-ipc"
+
+
+def test_status_is_a_subresource_with_a_strict_schema(crd, namespace):
+    create(crd, namespace, cache("st"))
+    patch = {"status": {"readyNodes": "1/2", "attachedClients": 3, "size": "16 GiB", "bogus": 1}}
+    crd.kubectl("patch", "wc", "st", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+    got = crd.kubectl_json("get", "wc", "st", "-n", namespace)
+    assert got["status"] == {"readyNodes": "1/2", "attachedClients": 3, "size": "16 GiB"}  # unknown field pruned
+    row = crd.kubectl("get", "wc", "st", "-n", namespace, "--no-headers").stdout.split()
+    assert row[1:5] == ["1/2", "cuda-vmm", "16", "GiB"] and row[5] == "3"

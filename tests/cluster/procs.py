@@ -4,8 +4,8 @@ nothing we did not start is touched."""
 
 from __future__ import annotations
 
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,11 +13,11 @@ import threading
 import time
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-try:  # resolved here, not in the forked child, where imports and lookups are unsafe
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _prctl = None
+# setpriv (util-linux) sets the parent-death signal and then execs the command. It
+# replaces a preexec_fn: Python code between fork and exec in this many-threaded
+# supervisor can deadlock on a lock another thread held at fork time. That would hang
+# the child before exec, and any sibling Popen waiting for its exec pipe with it.
+_SETPRIV = shutil.which("setpriv")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,23 +27,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if the spawning thread of the supervisor dies
-    # (SIGKILL included), the kernel SIGKILLs the child instead of leaving an orphan.
-    # So spawn() must be called from a thread that lives as long as the child.
-    os.setsid()
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None,
           cwd: str | None = None) -> subprocess.Popen:
-    """Start ARGV in a new session (its own process group), output appended to LOG_PATH."""
+    """Start ARGV in a new session (its own process group), output appended to LOG_PATH.
+
+    If the spawning thread of the supervisor dies (SIGKILL included), the kernel
+    SIGKILLs the child instead of leaving an orphan (PR_SET_PDEATHSIG, through
+    setpriv). So spawn() must be called from a thread that lives as long as the child.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
     with open(log_path, "ab", buffering=0) as log:
         log.write(f"--- {time.strftime('%H:%M:%S')} exec {argv!r}\n".encode())
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, preexec_fn=_die_with_parent, close_fds=True)
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, cwd=cwd, start_new_session=True, close_fds=True)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -17,15 +17,14 @@ weight path is timed. Prints a table and writes JSON under bench/results/.
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from harness import drop_page_cache, print_table, repeat, run_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -79,23 +78,11 @@ if __name__ == "__main__":
 """
 
 
-def timed_child(code: str, model_dir, socket_dir, tensors: int) -> float:
-    # A file, not `python -c`: the spawn start method re-imports the child's __main__.
-    script = pathlib.Path(socket_dir).parent / "child.py"
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script), str(model_dir), str(socket_dir), str(tensors)],
-                         capture_output=True, text=True, check=False, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark child failed:\n{out.stderr}")
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def drop_page_cache() -> str:
+def cold_start() -> str:
     """Flush the new checkpoint (its write-back must not race the daemon's reads) and,
     where permitted (root), drop the page cache so the daemon's load is a cold one."""
-    os.sync()
     try:
-        pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        drop_page_cache()
         return "dropped before the daemon's load"
     except OSError:
         return "warm (no permission to drop it)"
@@ -110,14 +97,6 @@ def versions() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     return {"python": platform.python_version(), "torch": torch.__version__, "safetensors": safetensors.__version__,
             "weightcache": weightcache.__version__, "cpu": cpu, "kernel": platform.release()}
-
-
-def measure(label, code, args, repeats) -> dict:
-    samples = []
-    for i in range(repeats):
-        samples.append(timed_child(code, *args))
-        print(f"  {label}: run {i + 1}/{repeats}: {samples[-1]:.1f} ms", file=sys.stderr, flush=True)
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples_ms": samples}
 
 
 def main() -> int:
@@ -138,18 +117,21 @@ def main() -> int:
         tmp = pathlib.Path(tmp)
         print(f"writing a {args.tensors}-tensor, {args.gib} GiB bf16 checkpoint ...", file=sys.stderr, flush=True)
         model = write_model(tmp / "model", uniform_specs(args.tensors, int(args.gib * (1 << 30))), shards=args.shards)
-        page_cache = drop_page_cache()
+        page_cache = cold_start()
         socket_dir = tmp / "s"
         daemon = spawn_daemon(model, socket_dir, "bench", ["--log-level", "warning"], timeout=1800)
         try:
             status = query_status(list_sockets(socket_dir)[0])
             common = (model, socket_dir, args.tensors)
-            results = {"weightcache_attach": measure("attach", CHILD_ATTACH, common, args.repeats)}
+            results = {"weightcache_attach": repeat("attach", args.repeats,
+                                                    lambda: run_child(CHILD_ATTACH, tmp, *common, timeout=600))}
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait()
-        results["safetensors_load_file_warm"] = measure("load_file", CHILD_LOAD_FILE, common, args.repeats)
-        results["per_tensor_sharing"] = measure("per-tensor", CHILD_PER_TENSOR, common, args.repeats)
+        results["safetensors_load_file_warm"] = repeat(
+            "load_file", args.repeats, lambda: run_child(CHILD_LOAD_FILE, tmp, *common, timeout=600))
+        results["per_tensor_sharing"] = repeat(
+            "per-tensor", args.repeats, lambda: run_child(CHILD_PER_TENSOR, tmp, *common, timeout=600))
 
     attach_ms = results["weightcache_attach"]["median_ms"]
     report = {
@@ -169,9 +151,7 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"\n{args.tensors} tensors, {status.resident_bytes / (1 << 30):.2f} GiB, median of {args.repeats} fresh processes")
-    print(f"{'method':<32} {'median ms':>10} {'min ms':>10} {'vs attach':>10}")
-    for name, r in results.items():
-        print(f"{name:<32} {r['median_ms']:>10.1f} {r['min_ms']:>10.1f} {r['median_ms'] / attach_ms:>9.1f}x")
+    print_table(results, "weightcache_attach", "attach")
     print(f"daemon cold load: {status.load_s:.2f} s (page cache {page_cache})\nwrote {out}")
     return 0
 

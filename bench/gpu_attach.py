@@ -21,12 +21,13 @@ import os
 import pathlib
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from harness import drop_page_cache, print_table, repeat, run_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -85,31 +86,6 @@ if __name__ == "__main__":
     p.join()
     print(ms)
 """
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def child(code: str, work: pathlib.Path, *args) -> float:
-    script = work / "child.py"  # a file: spawn re-imports the child's __main__
-    script.write_text(code)
-    out = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"benchmark child failed:\n{out.stderr[-4000:]}")
-    for line in out.stderr.splitlines():
-        if line.startswith("phases"):
-            print(f"    {line}", file=sys.stderr, flush=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def repeat(label, n, fn) -> dict:
-    samples = []
-    for i in range(n):
-        samples.append(fn())
-        print(f"  {label}: {i + 1}/{n}: {samples[-1]:.1f} ms", file=sys.stderr, flush=True)
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples_ms": samples}
 
 
 def disk_read_rate(files, workers: int) -> dict:
@@ -215,24 +191,24 @@ def main() -> int:
                                  "gb_per_s": status.resident_bytes / status.load_s / 1e9}
     common = (model, sockets, device, args.tensors)
     results["attach_cuda_vmm"] = repeat("attach cuda-vmm", args.repeats,
-                                        lambda: child(CHILD_ATTACH, work, *common, "cuda-vmm"))
+                                        lambda: run_child(CHILD_ATTACH, work, *common, "cuda-vmm"))
     stop(vmm)
 
     ipc, _ = serve(model, sockets, "cuda-ipc", device, work / "daemon-ipc.log", args.load_workers)
     results["attach_cuda_ipc"] = repeat("attach cuda-ipc", args.repeats,
-                                        lambda: child(CHILD_ATTACH, work, *common, "cuda-ipc"))
+                                        lambda: run_child(CHILD_ATTACH, work, *common, "cuda-ipc"))
     stop(ipc)
 
     results["per_tensor_legacy_ipc"] = repeat("per-tensor IPC", args.repeats,
-                                              lambda: child(CHILD_PER_TENSOR_IPC, work, *common))
+                                              lambda: run_child(CHILD_PER_TENSOR_IPC, work, *common))
 
     def cold_load_file():
         drop_page_cache()
-        return child(CHILD_LOAD_FILE, work, *common)
+        return run_child(CHILD_LOAD_FILE, work, *common)
 
     results["load_file_cold"] = repeat("load_file cold", min(args.repeats, 2), cold_load_file)
     results["load_file_warm"] = repeat("load_file warm", min(args.repeats, 3),
-                                       lambda: child(CHILD_LOAD_FILE, work, *common))
+                                       lambda: run_child(CHILD_LOAD_FILE, work, *common))
     loads["load_file_cold"] = {"seconds": results["load_file_cold"]["median_ms"] / 1e3}
 
     vmm_ms = results["attach_cuda_vmm"]["median_ms"]
@@ -258,9 +234,7 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"\n{report['device']}; {args.tensors} tensors, {status.resident_bytes / 1e9:.1f} GB bf16")
-    print(f"{'method':<28} {'median ms':>11} {'min ms':>10} {'vs vmm attach':>14}")
-    for name, r in results.items():
-        print(f"{name:<28} {r['median_ms']:>11.1f} {r['min_ms']:>10.1f} {r['median_ms'] / vmm_ms:>13.1f}x")
+    print_table(results, "attach_cuda_vmm", "vmm attach")
     print(f"disk read (cold):      {loads['disk_read']['gb_per_s_by_readers']} GB/s")
     print(f"daemon cold load:      {status.load_s:.1f} s ({loads['daemon_cold_load']['gb_per_s']:.2f} GB/s, "
           f"{100 * report['ratios']['daemon_cold_load_share_of_disk_rate']:.0f}% of disk)")

@@ -1,0 +1,50 @@
+"""What the benchmarks share: a timed child process, repeats, the page cache, the table.
+
+Imported by the scripts beside it (run as files, so their folder is on sys.path).
+"""
+
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+
+def run_child(code: str, work: pathlib.Path, *args, timeout: float = 900) -> float:
+    """Run `code` in a fresh interpreter; it prints the milliseconds it measured last.
+
+    A file, not `python -c`: the spawn start method re-imports the child's __main__.
+    Lines the child writes to stderr starting with "phases" are passed on.
+    """
+    script = pathlib.Path(work) / "child.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark child failed:\n{out.stderr[-4000:]}")
+    for line in out.stderr.splitlines():
+        if line.startswith("phases"):
+            print(f"    {line}", file=sys.stderr, flush=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def repeat(label: str, n: int, fn) -> dict:
+    samples = []
+    for i in range(n):
+        samples.append(fn())
+        print(f"  {label}: {i + 1}/{n}: {samples[-1]:.1f} ms", file=sys.stderr, flush=True)
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples_ms": samples}
+
+
+def drop_page_cache() -> None:
+    """Flush dirty pages, then drop the page cache (root only; raises OSError otherwise)."""
+    os.sync()
+    pathlib.Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def print_table(results: dict, baseline: str, baseline_label: str) -> None:
+    """Median, min and the ratio to `baseline` for every method in `results`."""
+    base = results[baseline]["median_ms"]
+    print(f"{'method':<32} {'median ms':>11} {'min ms':>10} {'vs ' + baseline_label:>16}")
+    for name, r in results.items():
+        print(f"{name:<32} {r['median_ms']:>11.1f} {r['min_ms']:>10.1f} {r['median_ms'] / base:>15.1f}x")

@@ -10,6 +10,7 @@ Devices are named by UUID ("GPU-…"): the ordinal of a GPU differs between proc
 with different CUDA_VISIBLE_DEVICES, its UUID does not.
 """
 
+import functools
 import uuid as uuid_lib
 
 from .errors import ProtocolError, WeightCacheError
@@ -45,8 +46,13 @@ def device_uuid(ordinal: int) -> str:
     return "GPU-" + str(uuid_lib.UUID(bytes=bytes(raw.bytes)))
 
 
+@functools.lru_cache(maxsize=None)
 def ordinal_for(device: str) -> int:
-    """This process's ordinal for a GPU UUID (or an ordinal given as digits)."""
+    """This process's ordinal for a GPU UUID (or an ordinal given as digits).
+
+    Cached: an attach asks twice (fingerprint, then import), and the devices a process
+    sees are fixed once the driver is initialised.
+    """
     driver = _driver()
     check(driver.cuInit(0), "cuInit")
     if device.isdigit():

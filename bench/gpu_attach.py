@@ -21,6 +21,7 @@ import os
 import pathlib
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,15 +33,19 @@ from harness import drop_page_cache, print_table, repeat, run_child
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 CHILD_ATTACH = """
-import sys, time, torch
+import json, sys, time, torch
 from weightcache.client import attach
 torch.empty(1, device="cuda")  # an engine has its CUDA context before it asks for weights
+t = time.perf_counter()
+import weightcache.client.gpu  # the driver bindings: start-up, like torch's import; timed apart
+bindings_ms = (time.perf_counter() - t) * 1e3
 t = time.perf_counter()
 a = attach(sys.argv[1], socket_dir=sys.argv[2], device=sys.argv[3])
 torch.cuda.synchronize()
 ms = (time.perf_counter() - t) * 1e3
 assert len(a.tensors) == int(sys.argv[4]) and a.backend == sys.argv[5], (len(a.tensors), a.backend)
-print("phases", {k: round(v, 2) for k, v in a.phases_ms.items()}, file=sys.stderr)
+print("phases", json.dumps({**{k: round(v, 2) for k, v in a.phases_ms.items()},
+                            "bindings_import_before_clock": round(bindings_ms, 2)}), file=sys.stderr)
 print(ms)
 """
 
@@ -190,13 +195,14 @@ def main() -> int:
     loads["daemon_cold_load"] = {"seconds": status.load_s, "wall_to_ready_s": wall,
                                  "gb_per_s": status.resident_bytes / status.load_s / 1e9}
     common = (model, sockets, device, args.tensors)
-    results["attach_cuda_vmm"] = repeat("attach cuda-vmm", args.repeats,
-                                        lambda: run_child(CHILD_ATTACH, work, *common, "cuda-vmm"))
+    phases = {"cuda-vmm": [], "cuda-ipc": []}
+    results["attach_cuda_vmm"] = repeat("attach cuda-vmm", args.repeats, lambda: run_child(
+        CHILD_ATTACH, work, *common, "cuda-vmm", phases=phases["cuda-vmm"]))
     stop(vmm)
 
     ipc, _ = serve(model, sockets, "cuda-ipc", device, work / "daemon-ipc.log", args.load_workers)
-    results["attach_cuda_ipc"] = repeat("attach cuda-ipc", args.repeats,
-                                        lambda: run_child(CHILD_ATTACH, work, *common, "cuda-ipc"))
+    results["attach_cuda_ipc"] = repeat("attach cuda-ipc", args.repeats, lambda: run_child(
+        CHILD_ATTACH, work, *common, "cuda-ipc", phases=phases["cuda-ipc"]))
     stop(ipc)
 
     results["per_tensor_legacy_ipc"] = repeat("per-tensor IPC", args.repeats,
@@ -222,6 +228,8 @@ def main() -> int:
         "model": {"tensors": args.tensors, "bytes": status.resident_bytes, "dtype": "BF16", "shards": args.shards},
         "repeats": args.repeats,
         "attach": results,
+        "attach_phases_ms": {backend: {key: statistics.median(p[key] for p in runs) for key in runs[0]}
+                             for backend, runs in phases.items()},
         "loads": loads,
         "ratios": {
             "per_tensor_ipc_over_vmm_attach": results["per_tensor_legacy_ipc"]["median_ms"] / vmm_ms,

@@ -3,6 +3,7 @@
 Imported by the scripts beside it (run as files, so their folder is on sys.path).
 """
 
+import json
 import os
 import pathlib
 import statistics
@@ -10,11 +11,12 @@ import subprocess
 import sys
 
 
-def run_child(code: str, work: pathlib.Path, *args, timeout: float = 900) -> float:
+def run_child(code: str, work: pathlib.Path, *args, timeout: float = 900, phases: list | None = None) -> float:
     """Run `code` in a fresh interpreter; it prints the milliseconds it measured last.
 
     A file, not `python -c`: the spawn start method re-imports the child's __main__.
-    Lines the child writes to stderr starting with "phases" are passed on.
+    Lines the child writes to stderr as "phases {json}" are passed on, and kept in
+    `phases` when given.
     """
     script = pathlib.Path(work) / "child.py"
     script.write_text(code)
@@ -23,8 +25,10 @@ def run_child(code: str, work: pathlib.Path, *args, timeout: float = 900) -> flo
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child failed:\n{out.stderr[-4000:]}")
     for line in out.stderr.splitlines():
-        if line.startswith("phases"):
+        if line.startswith("phases "):
             print(f"    {line}", file=sys.stderr, flush=True)
+            if phases is not None:
+                phases.append(json.loads(line.removeprefix("phases ")))
     return float(out.stdout.strip().splitlines()[-1])
 
 

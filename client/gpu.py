@@ -8,10 +8,16 @@ the physical memory lives as long as any process holds a handle or a mapping.
 
 Devices are named by UUID ("GPU-…"): the ordinal of a GPU differs between processes
 with different CUDA_VISIBLE_DEVICES, its UUID does not.
+
+The driver bindings are imported with this module, not on first use: the import takes
+tens of milliseconds, which belong to an engine's start-up with torch's, not to its
+attach (weightcache.client imports this module only for GPU devices).
 """
 
 import functools
 import uuid as uuid_lib
+
+from cuda.bindings import driver
 
 from .errors import ProtocolError, WeightCacheError
 
@@ -20,15 +26,8 @@ class CudaError(WeightCacheError):
     """A CUDA driver call failed; the message names the call and the driver's error."""
 
 
-def _driver():
-    from cuda.bindings import driver
-
-    return driver
-
-
 def check(result, call: str):
     """Unpack a cuda.bindings result tuple, raising CudaError on failure."""
-    driver = _driver()
     err, *values = result
     if err != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(err)
@@ -39,7 +38,6 @@ def check(result, call: str):
 
 
 def device_uuid(ordinal: int) -> str:
-    driver = _driver()
     check(driver.cuInit(0), "cuInit")
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
     raw = check(driver.cuDeviceGetUuid(device), "cuDeviceGetUuid")
@@ -53,32 +51,34 @@ def ordinal_for(device: str) -> int:
     Cached: an attach asks twice (fingerprint, then import), and the devices a process
     sees are fixed once the driver is initialised.
     """
-    driver = _driver()
     check(driver.cuInit(0), "cuInit")
     if device.isdigit():
         return int(device)
-    count = check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
-    for ordinal in range(count):
-        if device_uuid(ordinal).lower() == device.lower():
-            return ordinal
-    raise CudaError(f"GPU {device} is not visible to this process ({count} visible; check CUDA_VISIBLE_DEVICES)")
+    visible = [uuid.lower() for uuid in visible_uuids()]
+    if device.lower() in visible:
+        return visible.index(device.lower())
+    raise CudaError(f"GPU {device} is not visible to this process ({len(visible)} visible; check CUDA_VISIBLE_DEVICES)")
+
+
+def visible_uuids() -> list[str]:
+    """Every GPU this process sees, by UUID, in its ordinal order."""
+    check(driver.cuInit(0), "cuInit")
+    return [device_uuid(ordinal) for ordinal in range(check(driver.cuDeviceGetCount(), "cuDeviceGetCount"))]
 
 
 def driver_version() -> str:
-    version = check(_driver().cuDriverGetVersion(), "cuDriverGetVersion")
+    version = check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
 def make_current(ordinal: int) -> None:
     """Make the device's primary context (the one torch uses) current in this thread."""
-    driver = _driver()
     device = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
     context = check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
     check(driver.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
 def location(ordinal: int):
-    driver = _driver()
     loc = driver.CUmemLocation()
     loc.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     loc.id = ordinal
@@ -86,7 +86,6 @@ def location(ordinal: int):
 
 
 def access(ordinal: int, read_only: bool):
-    driver = _driver()
     desc = driver.CUmemAccessDesc()
     desc.location = location(ordinal)
     flags = driver.CUmemAccess_flags
@@ -95,7 +94,6 @@ def access(ordinal: int, read_only: bool):
 
 
 def allocation_prop(ordinal: int):
-    driver = _driver()
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location = location(ordinal)
@@ -104,7 +102,6 @@ def allocation_prop(ordinal: int):
 
 
 def granularity(ordinal: int) -> int:
-    driver = _driver()
     return check(driver.cuMemGetAllocationGranularity(
         allocation_prop(ordinal), driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
         "cuMemGetAllocationGranularity")
@@ -144,7 +141,6 @@ class Mapping(_DeviceBuffer):
     when the last tensor on them goes."""
 
     def __init__(self, handles: list, sizes: list[int], ordinal: int, read_only: bool):
-        driver = _driver()
         self.size, self.ordinal = sum(sizes), ordinal
         self._handles, self._mapped = list(handles), []
         self.ptr = check(driver.cuMemAddressReserve(self.size, 0, 0, 0), "cuMemAddressReserve")
@@ -160,7 +156,6 @@ class Mapping(_DeviceBuffer):
             raise
 
     def close(self) -> None:
-        driver = _driver()
         for address, size in self._mapped:
             driver.cuMemUnmap(address, size)
         self._mapped = []
@@ -180,7 +175,6 @@ class IpcMapping(_DeviceBuffer):
     """
 
     def __init__(self, handle_bytes: bytes, size: int, ordinal: int):
-        driver = _driver()
         handle = driver.CUipcMemHandle()
         handle.reserved = handle_bytes
         self.size, self.ordinal = size, ordinal
@@ -189,14 +183,13 @@ class IpcMapping(_DeviceBuffer):
 
     def close(self) -> None:
         if self.ptr is not None:
-            _driver().cuIpcCloseMemHandle(self.ptr)
+            driver.cuIpcCloseMemHandle(self.ptr)
             self.ptr = None
 
 
 def import_slabs(fds: list[int], sizes: list[int], device: str) -> list:
     """Map a daemon's slab fds read-only on `device`; one uint8 tensor per slab, all
     views on one mapping."""
-    driver = _driver()
     ordinal = ordinal_for(device)
     make_current(ordinal)
     step = granularity(ordinal)
@@ -233,7 +226,6 @@ def fingerprint_device(device: str):
     """What the fingerprint records of a GPU: kind, compute capability, driver version."""
     from .fingerprint import Device
 
-    driver = _driver()
     ordinal = ordinal_for(device)
     handle = check(driver.cuDeviceGet(ordinal), "cuDeviceGet")
     attr = driver.CUdevice_attribute

@@ -6,18 +6,24 @@ Modes (argument or WEIGHTCACHE_MODE):
   client  attach to a running daemon; if that fails, WEIGHTCACHE_FALLBACK decides:
           `disk` loads from disk and reports why, `error` raises.
   daemon  like client, but first start a daemon for this model if none serves it.
+
+With WEIGHTCACHE_REPORT_FILE set, the path taken is also written there as JSON (the
+agent sidecar serves it): {"source", "reason", "attach_ms", "fingerprint", "pid", ...}.
 """
 
+import json
 import logging
 import os
 import pathlib
 import time
+import uuid
 from dataclasses import dataclass, fields, replace
 
 from .attach import AttachedWeights, attach, list_sockets
 from .disk import load_from_disk
 from .errors import CacheUnavailable, FingerprintMismatch
 from .fingerprint import Parallelism
+from .fingerprint import digest as fingerprint_digest
 from .spawn import EXIT_ALREADY_SERVED, DaemonStartFailed, spawn_daemon
 
 log = logging.getLogger("weightcache.client")
@@ -33,6 +39,9 @@ class ClientSettings:
     fallback: str = "disk"
     socket_dir: str = DEFAULT_SOCKET_DIR
     cache_name: str | None = None
+    model_dir: str = ""  # used when load_weights is given none
+    # "cpu", a GPU UUID, or "cuda"/"cuda:N": the UUID of that torch device (the webhook
+    # sets "cuda": which GPU a pod got is known only inside it).
     device: str = "cpu"
     revision: str = ""
     tp_size: int = 1
@@ -40,6 +49,7 @@ class ClientSettings:
     timeout: float = 10.0
     # How long mode=daemon waits for a daemon it started to finish loading.
     start_timeout: float = 600.0
+    report_file: str = ""  # where to write which path was taken (JSON); "" for nowhere
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -69,6 +79,7 @@ class LoadedWeights:
     source: str  # "cache" or "disk"
     reason: str  # why this source: the mode, or the failure that made it fall back
     attached: AttachedWeights | None = None
+    load_ms: float | None = None  # disk loads only; attaches have attached.attach_ms
 
     @property
     def resident_bytes(self) -> int:
@@ -76,11 +87,24 @@ class LoadedWeights:
         return self.attached.resident_bytes if self.attached else 0
 
 
-def load_weights(model_dir, settings: ClientSettings | None = None, **overrides) -> LoadedWeights:
-    """The model's tensors, from the cache when the mode and the daemon allow."""
+def load_weights(model_dir=None, settings: ClientSettings | None = None, **overrides) -> LoadedWeights:
+    """The model's tensors, from the cache when the mode and the daemon allow.
+
+    model_dir defaults to WEIGHTCACHE_MODEL_DIR (settings.model_dir)."""
     settings = replace(settings, **overrides) if settings else ClientSettings.from_env(**overrides)
+    model_dir = model_dir or settings.model_dir
+    if not model_dir:
+        raise ValueError("load_weights needs a model directory: pass model_dir or set WEIGHTCACHE_MODEL_DIR")
+    loaded = _load(model_dir, settings)
+    if settings.report_file:
+        write_report(settings.report_file, loaded)
+    return loaded
+
+
+def _load(model_dir, settings: ClientSettings) -> LoadedWeights:
     if settings.mode == "off":
         return _from_disk(model_dir, settings, "mode=off")
+    settings = replace(settings, device=resolve_device(settings.device))
     try:
         attached = _attach(model_dir, settings)
     except CacheUnavailable as exc:
@@ -94,11 +118,46 @@ def load_weights(model_dir, settings: ClientSettings | None = None, **overrides)
     return LoadedWeights(attached.tensors, "cache", f"attached to {attached.socket_path}", attached)
 
 
+def resolve_device(device: str) -> str:
+    """The GPU UUID that daemons name their sockets by, for "cuda" (torch's current
+    device) or "cuda:N"; any other device as given."""
+    if device != "cuda" and not device.startswith("cuda:"):
+        return device
+    import torch
+
+    ordinal = torch.cuda.current_device() if device == "cuda" else int(device.removeprefix("cuda:"))
+    return "GPU-" + str(uuid.UUID(bytes=bytes(torch.cuda.get_device_properties(ordinal).uuid.bytes)))
+
+
+def engine_report(loaded: "LoadedWeights") -> dict:
+    """What the engine tells the agent (and people): which path, why, how fast."""
+    att = loaded.attached
+    return {"source": loaded.source, "reason": loaded.reason, "attach_ms": round(att.attach_ms, 3) if att else None,
+            "fingerprint": fingerprint_digest(att.fingerprint) if att else None, "pid": os.getpid(),
+            "socket": att.socket_path if att else None, "device": att.device if att else None,
+            "resident_bytes": loaded.resident_bytes, "load_ms": loaded.load_ms,
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_report(path, loaded: "LoadedWeights") -> None:
+    """Write the report by rename, so a reader never sees half of it. A report that
+    cannot be written is logged, not raised: it must not cost the engine its weights."""
+    path = pathlib.Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(engine_report(loaded)) + "\n")
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        log.warning("could not write the engine report", extra={"fields": {"path": str(path), "error": str(exc)}})
+
+
 def _from_disk(model_dir, settings, reason) -> LoadedWeights:
     start = time.perf_counter()
     tensors = load_from_disk(model_dir)
-    log.info("loaded from disk", extra={"fields": {"reason": reason, "ms": round((time.perf_counter() - start) * 1e3)}})
-    return LoadedWeights(tensors, "disk", reason)
+    ms = (time.perf_counter() - start) * 1e3
+    log.info("loaded from disk", extra={"fields": {"reason": reason, "ms": round(ms)}})
+    return LoadedWeights(tensors, "disk", reason, load_ms=round(ms, 3))
 
 
 def _attach(model_dir, settings) -> AttachedWeights:

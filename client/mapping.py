@@ -5,6 +5,7 @@ One importer per backend; the GPU backends add theirs beside `cpu`.
 """
 
 import fcntl
+import gc
 import mmap
 import os
 import warnings
@@ -67,11 +68,27 @@ def map_slabs(backend: str, layout: "wire.Layout", fds: list[int], device: str =
 
 
 def build_views(layout: "wire.Layout", slabs: list) -> dict:
+    """Every tensor of the layout as a view on its slab (see _build_views).
+
+    Thousands of new objects would run the cycle collector over the engine's whole
+    heap (torch's included) several times; none of them can form a cycle.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_views(layout, slabs)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _build_views(layout: "wire.Layout", slabs: list) -> dict:
     """Every tensor of the layout as a view on its slab, checked to stay inside it.
 
-    One as_strided per tensor on a per-(slab, dtype) typed view of the slab: this loop
-    is the whole per-tensor cost of attaching, so it works on plain lists decoded in
-    bulk and does nothing else.
+    This is the whole per-tensor cost of attaching, and a Python call per tensor
+    (as_strided) is most of it. Tensors of one shape, stride and dtype that repeat at a
+    fixed distance in a slab (a transformer's layers) become ONE strided tensor unbound
+    into views in C++; the rest get one as_strided each.
     """
     t = layout.tensors
     names, dtypes, slab_of, offsets, nbytes, ndims = (list(t.name), list(t.dtype), list(t.slab), list(t.offset),
@@ -82,10 +99,11 @@ def build_views(layout: "wire.Layout", slabs: list) -> dict:
             or len(shapes) != sum(ndims) or len(strides) != len(shapes):
         raise ProtocolError("the layout's tensor table has columns of different lengths")
     sizes = [slab.numel() for slab in slabs]
-    tensors, typed, pos = {}, {}, 0
+    groups: dict[tuple, list] = {}  # (slab, dtype, shape, stride) -> [(element offset, name)]
+    pos = 0
     for i in range(count):
         name, dtype_name, index, offset, size, ndim = names[i], dtypes[i], slab_of[i], offsets[i], nbytes[i], ndims[i]
-        shape, stride = shapes[pos:pos + ndim], strides[pos:pos + ndim]
+        shape, stride = tuple(shapes[pos:pos + ndim]), tuple(strides[pos:pos + ndim])
         pos += ndim
         dtype = DTYPES.get(dtype_name)
         if dtype is None or index >= len(slabs):
@@ -100,16 +118,42 @@ def build_views(layout: "wire.Layout", slabs: list) -> dict:
                 break
             extent = 0 if d == 0 or extent == 0 else extent + (d - 1) * s
         if extent < 0 or extent * itemsize > size:
-            raise ProtocolError(f"tensor {name!r}: shape {shape} strides {stride} do not fit its {size} bytes")
-        typed_slab = typed.get((index, dtype_name))
-        if typed_slab is None:
+            raise ProtocolError(f"tensor {name!r}: shape {list(shape)} strides {list(stride)} do not fit its "
+                                f"{size} bytes")
+        groups.setdefault((index, dtype_name, shape, stride), []).append((offset // itemsize, name))
+    tensors, typed = {}, {}
+    _views_by_group(groups, slabs, sizes, typed, tensors)
+    if len(tensors) != count:
+        raise ProtocolError(f"the layout names {count - len(tensors)} tensor(s) more than once")
+    return tensors
+
+
+def _views_by_group(groups: dict, slabs: list, sizes: list, typed: dict, tensors: dict) -> None:
+    for (index, dtype_name, shape, stride), members in groups.items():
+        if (index, dtype_name) not in typed:
+            itemsize = DTYPES[dtype_name].itemsize
             whole = sizes[index] - sizes[index] % itemsize
             base = slabs[index].narrow(0, 0, whole).view(torch_dtype(dtype_name))
             # as_strided counts from the start of the storage, and a slab may be a view
             # into a larger mapping (cuda-vmm maps every slab in one range).
-            typed_slab = typed[(index, dtype_name)] = (base, base.storage_offset())
-        base, start = typed_slab
-        tensors[name] = base.as_strided(shape, stride, start + offset // itemsize)
-    if len(tensors) != count:
-        raise ProtocolError(f"the layout names {count - len(tensors)} tensor(s) more than once")
-    return tensors
+            typed[(index, dtype_name)] = (base, base.storage_offset())
+        base, start = typed[(index, dtype_name)]
+        for first, step, run in evenly_spaced_runs(sorted(members)):
+            if len(run) == 1:
+                tensors[run[0]] = base.as_strided(shape, stride, start + first)
+            else:
+                stacked = base.as_strided((len(run), *shape), (step, *stride), start + first)
+                tensors.update(zip(run, stacked.unbind(0)))
+
+
+def evenly_spaced_runs(members: list[tuple[int, str]]):
+    """Split (offset, name) pairs sorted by offset into runs at one fixed, positive
+    distance; yields (first offset, distance, names)."""
+    i = 0
+    while i < len(members):
+        j = i + 1
+        step = members[j][0] - members[i][0] if j < len(members) else 0
+        while step > 0 and j < len(members) and members[j][0] - members[j - 1][0] == step:
+            j += 1
+        yield members[i][0], step, [name for _, name in members[i:j]]
+        i = j

@@ -13,7 +13,7 @@ from .checkpoint import TensorSource
 
 # 256 bytes: what cudaMalloc guarantees and what vectorized kernels assume.
 DEFAULT_ALIGNMENT = 256
-DEFAULT_MAX_SLAB_BYTES = 1 << 30
+DEFAULT_MAX_SLAB_BYTES = 8 << 30
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,10 @@ def _row_chunks(r: Read, chunk_bytes: int) -> list[Read]:
     return out
 
 
-def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: float = 2.0) -> float:
-    """Fill every slab from the files; returns the seconds it took."""
+def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: float = 2.0,
+               on_bytes=lambda nbytes: None) -> float:
+    """Fill every slab from the files; returns the seconds it took. on_bytes(n) hears
+    of each finished read (the daemon's status counts them)."""
     reads = plan_reads(plan)
     total = sum(r.nbytes for r in reads)
     fds = {path: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in {r.path for r in reads}}
@@ -82,7 +84,9 @@ def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: flo
                 finished, _ = wait(pending, timeout=progress_every_s, return_when=FIRST_EXCEPTION)
                 for future in finished:
                     future.result()  # re-raises a worker's error here
-                    done_bytes += pending.pop(future).nbytes
+                    nbytes = pending.pop(future).nbytes
+                    done_bytes += nbytes
+                    on_bytes(nbytes)
                 _log_progress(done_bytes, total, time.perf_counter() - start)
     finally:
         for fd in fds.values():

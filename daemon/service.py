@@ -13,14 +13,17 @@ import signal
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 from weightcache.client import fingerprint as fp
+from weightcache.client.errors import CheckpointError, UnsupportedQuantization
 from weightcache.client.spawn import EXIT_ALREADY_SERVED
 from weightcache.client.protocol import MAX_SOCKET_PATH, check_cache_name, socket_name
 
-from .backends import make_backend
+from .backends import canonical_devices, make_backend
 from .checkpoint import read_checkpoint
+from .health import DaemonState, serve_http
 from .layout import DEFAULT_MAX_SLAB_BYTES, plan_slabs, to_wire
 from .loader import fill_slabs
 from .sharding import plan_for, shard
@@ -39,7 +42,8 @@ class DaemonConfig:
     socket_dir: pathlib.Path
     name: str
     backend: str = "cpu"
-    device: str = "0"  # GPU UUID or ordinal for the GPU backends
+    # GPU UUIDs or ordinals for the GPU backends, or ("all",); one socket per device.
+    devices: tuple[str, ...] = ("0",)
     revision: str = ""
     parallel: fp.Parallelism = fp.Parallelism()
     tp_plan: pathlib.Path | None = None  # default: the config's base_model_tp_plan
@@ -50,6 +54,7 @@ class DaemonConfig:
     max_connections: int = 1024
     max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES
     load_workers: int = 16
+    http_bind: tuple[str, int] | None = None  # health, readiness, metrics and status over HTTP
 
 
 def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
@@ -89,19 +94,35 @@ def claim(socket_dir: pathlib.Path, name: str, device: str) -> int:
     return fd
 
 
-def load(config: DaemonConfig, backend) -> tuple[ResidentCache, list]:
+def ranks_for(parallel: fp.Parallelism, count: int) -> list[fp.Parallelism]:
+    """Each served device's parallelism: one device keeps the configured rank; with
+    several, device i holds tensor-parallel rank i % tp_size (all GPUs of a node, one
+    daemon)."""
+    if count == 1:
+        return [parallel]
+    if parallel.tp_rank:
+        raise ValueError(f"--tp-rank {parallel.tp_rank} names one rank, but {count} devices are served; with "
+                         "several devices, device i serves rank i % --tp-size")
+    if count % parallel.tp_size:
+        raise ValueError(f"{count} devices cannot be split into tensor-parallel groups of {parallel.tp_size}")
+    return [replace(parallel, tp_rank=i % parallel.tp_size) for i in range(count)]
+
+
+def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonState) -> tuple[ResidentCache, list]:
     checkpoint = read_checkpoint(config.model_dir)
-    par = config.parallel
-    tensors = shard(checkpoint.tensors, plan_for(checkpoint.config, config.tp_plan), par.tp_size, par.tp_rank)
+    tensors = shard(checkpoint.tensors, plan_for(checkpoint.config, config.tp_plan), parallel.tp_size,
+                    parallel.tp_rank)
     plan = plan_slabs(tensors, max_slab_bytes=config.max_slab_bytes)
+    state.expect(sum(t.nbytes for t in tensors))
     log.info("loading", extra={"fields": {"model": str(config.model_dir), "tensors": len(tensors),
                                           "bytes": sum(t.nbytes for t in tensors), "slabs": len(plan.slab_sizes),
-                                          "backend": backend.name, "tp": f"{par.tp_rank}/{par.tp_size}"}})
+                                          "backend": backend.name, "device": backend.device,
+                                          "tp": f"{parallel.tp_rank}/{parallel.tp_size}"}})
     slabs = [backend.allocate(size, f"weightcache:{config.name}:{i}") for i, size in enumerate(plan.slab_sizes)]
-    seconds = fill_slabs(plan, slabs, workers=config.load_workers)
+    seconds = fill_slabs(plan, slabs, workers=config.load_workers, on_bytes=state.loaded)
     for slab in slabs:
         slab.seal()
-    fingerprint = fp.compute(config.model_dir, revision=config.revision, parallel=config.parallel,
+    fingerprint = fp.compute(config.model_dir, revision=config.revision, parallel=parallel,
                              device=backend.fingerprint_device())
     layout = to_wire(plan)
     for entry, slab in zip(layout.slabs, slabs):
@@ -119,7 +140,7 @@ def publish(config: DaemonConfig, cache: ResidentCache) -> tuple[CacheServer, pa
     if len(str(final)) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {final} is {len(str(final))} bytes; Unix sockets allow {MAX_SOCKET_PATH}. "
                          "Use a shorter --socket-dir or --name.")
-    temporary = final.with_name(f".{os.getpid()}.binding")
+    temporary = final.with_name(f".{os.getpid()}.{cache.device}.binding")
     temporary.unlink(missing_ok=True)
     server = CacheServer(str(temporary), cache, AccessPolicy(config.allow_uids, config.allow_gids),
                          handshake_timeout=config.handshake_timeout, max_connections=config.max_connections)
@@ -130,39 +151,100 @@ def publish(config: DaemonConfig, cache: ResidentCache) -> tuple[CacheServer, pa
     return server, final
 
 
+def failure_reason(exc: BaseException, model_dir: pathlib.Path) -> str:
+    """The CamelCase reason the status document (and the WeightCache) shows."""
+    # A hostPath volume for a path missing on the node arrives as an empty directory.
+    if not model_dir.is_dir() or not any(model_dir.iterdir()):
+        return "ModelNotFound"
+    if isinstance(exc, UnsupportedQuantization):
+        return "UnsupportedQuantization"
+    if isinstance(exc, CheckpointError):
+        return "InvalidCheckpoint"
+    return "LoadFailed"
+
+
+def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonState) -> list:
+    """Load every device in parallel (each in its own thread: a CUDA context is current
+    per thread), then publish their sockets. Returns (cache, server, path, slabs) each."""
+    parallels = ranks_for(config.parallel, len(devices))
+
+    def one(device: str, parallel: fp.Parallelism):
+        return load(config, make_backend(config.backend, device), parallel, state)
+
+    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="device") as pool:
+        loaded = list(pool.map(one, devices, parallels))
+    served = []
+    for cache, slabs in loaded:
+        server, path = publish(config, cache)
+        served.append((cache, server, path, slabs))
+    return served
+
+
+def _stop_on_signal() -> threading.Event:
+    """SIGTERM/SIGINT set the returned event. Installed once loading is over: a signal
+    during the load keeps its default action, so a pod being deleted never waits for it."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop
+
+
 def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
-    """Load, serve until SIGTERM or SIGINT, clean up. Returns the process exit code."""
+    """Load, serve until SIGTERM or SIGINT, clean up. Returns the process exit code.
+
+    Without HTTP, a load that fails raises (the CLI exits 2 naming the problem). With
+    HTTP, the daemon stays up and reports the failure, so that a pod shows why it is
+    not ready instead of restarting into the same error.
+    """
     import torch  # noqa: F401  (the fingerprint records its version; import it before loading, not after)
 
     check_cache_name(config.name)
-    backend = make_backend(config.backend, config.device)
+    devices = canonical_devices(config.backend, config.devices)
     prepare_socket_dir(config.socket_dir, config.socket_group)
+    locks = []
     try:
-        lock_fd = claim(config.socket_dir, config.name, backend.device)
+        for device in devices:
+            locks.append(claim(config.socket_dir, config.name, device))
     except AlreadyServed as exc:
         log.error(str(exc))
         return EXIT_ALREADY_SERVED
-    stop = threading.Event()
-    cache, slabs = load(config, backend)
-    server, path = publish(config, cache)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    thread = threading.Thread(target=server.serve_forever, name="accept", daemon=True)
-    thread.start()
-    log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
-                                        "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
-                                        "load_s": round(cache.load_s, 3)}})
+    state = DaemonState(cache=config.name, backend=config.backend, model=str(config.model_dir))
+    http = serve_http(*config.http_bind, state) if config.http_bind else None
+    try:
+        served = load_and_publish(config, devices, state)
+    except Exception as exc:
+        if http is None:
+            raise
+        stop = _stop_on_signal()
+        state.fail(failure_reason(exc, config.model_dir), str(exc))
+        log.error("load failed", extra={"fields": {"reason": state.reason, "error": str(exc)}})
+        stop.wait()
+        http.shutdown()
+        return 1
+    for cache, server, path, _ in served:
+        threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
+        log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
+                                            "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
+                                            "load_s": round(cache.load_s, 3)}})
+    stop = _stop_on_signal()
+    state.ready([(cache, server, path) for cache, server, path, _ in served])
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
     stop.wait()
     started = time.monotonic()
-    path.unlink(missing_ok=True)
-    server.shutdown()
-    server.server_close()
-    for slab in slabs:
-        slab.close()
-    os.close(lock_fd)
-    log.info("stopped", extra={"fields": {"attached_at_exit": server.attached_clients,
+    attached = 0
+    for cache, server, path, slabs in served:
+        path.unlink(missing_ok=True)
+        server.shutdown()
+        server.server_close()
+        attached += server.attached_clients
+        for slab in slabs:
+            slab.close()
+    if http is not None:
+        http.shutdown()
+    for fd in locks:
+        os.close(fd)
+    log.info("stopped", extra={"fields": {"attached_at_exit": attached,
                                           "shutdown_ms": round((time.monotonic() - started) * 1e3, 1)}})
     return 0

@@ -25,4 +25,20 @@ def make_backend(name: str, device: str = "0") -> Backend:
     return BACKENDS[name](device)
 
 
-__all__ = ["BACKENDS", "Backend", "Slab", "make_backend"]
+def canonical_devices(name: str, requested) -> list[str]:
+    """The devices a daemon serves, by the names its sockets carry: `cpu` for the cpu
+    backend, GPU UUIDs for the others (ordinals and "all" resolved in this process)."""
+    if name == "cpu":
+        return ["cpu"]
+    from weightcache.client import gpu
+
+    if list(requested) == ["all"]:
+        return gpu.visible_uuids()
+    uuids = [gpu.device_uuid(gpu.ordinal_for(device)) for device in requested]
+    repeated = sorted({u for u in uuids if uuids.count(u) > 1})
+    if repeated:
+        raise ValueError(f"device(s) named more than once: {', '.join(repeated)}")
+    return uuids
+
+
+__all__ = ["BACKENDS", "Backend", "Slab", "canonical_devices", "make_backend"]

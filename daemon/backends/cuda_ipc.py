@@ -13,10 +13,9 @@ from .cuda_staging import Staging, copy_file_to_device, copy_rows_to_device
 
 class IpcSlab(Slab):
     def __init__(self, size: int, ordinal: int, staging: Staging):
-        driver = gpu._driver()
         self.size, self._ordinal, self._staging = size, ordinal, staging
-        self._ptr = gpu.check(driver.cuMemAlloc(size), "cuMemAlloc")
-        handle = gpu.check(driver.cuIpcGetMemHandle(self._ptr), "cuIpcGetMemHandle")
+        self._ptr = gpu.check(gpu.driver.cuMemAlloc(size), "cuMemAlloc")
+        handle = gpu.check(gpu.driver.cuIpcGetMemHandle(self._ptr), "cuIpcGetMemHandle")
         self.handle_bytes = bytes(handle.reserved)
 
     def write_from_file(self, fd, file_offset, slab_offset, nbytes):
@@ -33,7 +32,7 @@ class IpcSlab(Slab):
         return None  # the handle travels in the layout (Slab.ipc_handle), not as an fd
 
     def close(self):
-        gpu._driver().cuMemFree(self._ptr)
+        gpu.driver.cuMemFree(self._ptr)
 
 
 class CudaIpcBackend(Backend):

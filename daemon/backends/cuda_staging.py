@@ -25,12 +25,11 @@ class Staging(threading.local):
             gpu.make_current(ordinal)
             self.buffer = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
             self.view = memoryview(self.buffer.numpy())
-            self.stream = gpu.check(gpu._driver().cuStreamCreate(1), "cuStreamCreate")  # non-blocking
+            self.stream = gpu.check(gpu.driver.cuStreamCreate(1), "cuStreamCreate")  # non-blocking
         return self
 
 
 def copy_file_to_device(stage, fd: int, file_offset: int, dst_ptr: int, nbytes: int) -> None:
-    driver = gpu._driver()
     done = 0
     while done < nbytes:
         want = min(nbytes - done, STAGING_BYTES)
@@ -38,17 +37,16 @@ def copy_file_to_device(stage, fd: int, file_offset: int, dst_ptr: int, nbytes: 
         if got == 0:
             raise CheckpointError(f"file ended {nbytes - done} bytes early at offset {file_offset + done}; "
                                   "was it changed while loading?")
-        gpu.check(driver.cuMemcpyHtoDAsync(dst_ptr + done, stage.buffer.data_ptr(), got, stage.stream),
+        gpu.check(gpu.driver.cuMemcpyHtoDAsync(dst_ptr + done, stage.buffer.data_ptr(), got, stage.stream),
                   "cuMemcpyHtoDAsync")
         # The buffer is reused for the next read: wait for this copy first.
-        gpu.check(driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
+        gpu.check(gpu.driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
         done += got
 
 
 def copy_rows_to_device(stage, fd: int, file_offset: int, pitch: int, width: int, rows: int, dst_ptr: int) -> None:
     """`rows` pieces of `width` bytes, `pitch` apart in the file, packed at dst_ptr: read
     the span into the staging buffer, then one 2-D copy per batch of rows."""
-    driver = gpu._driver()
     if width > STAGING_BYTES:
         raise CheckpointError(f"a row of {width} bytes does not fit the {STAGING_BYTES}-byte staging buffer")
     per_batch = max(1, (STAGING_BYTES - width) // pitch + 1)
@@ -59,15 +57,15 @@ def copy_rows_to_device(stage, fd: int, file_offset: int, pitch: int, width: int
         if got < span:
             raise CheckpointError(f"file ended early at offset {file_offset + first * pitch + got}; "
                                   "was it changed while loading?")
-        copy = driver.CUDA_MEMCPY2D()
-        copy.srcMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_HOST
+        copy = gpu.driver.CUDA_MEMCPY2D()
+        copy.srcMemoryType = gpu.driver.CUmemorytype.CU_MEMORYTYPE_HOST
         copy.srcHost = stage.buffer.data_ptr()
         copy.srcPitch = pitch
-        copy.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.dstMemoryType = gpu.driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
         copy.dstDevice = dst_ptr + first * width
         copy.dstPitch = width
         copy.WidthInBytes = width
         copy.Height = count
-        gpu.check(driver.cuMemcpy2DAsync(copy, stage.stream), "cuMemcpy2DAsync")
-        gpu.check(driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
+        gpu.check(gpu.driver.cuMemcpy2DAsync(copy, stage.stream), "cuMemcpy2DAsync")
+        gpu.check(gpu.driver.cuStreamSynchronize(stage.stream), "cuStreamSynchronize")
 

@@ -16,12 +16,11 @@ from .cuda_staging import Staging, copy_file_to_device, copy_rows_to_device
 
 class VmmSlab(Slab):
     def __init__(self, size: int, ordinal: int, staging: Staging):
-        driver = gpu._driver()
         self.size, self._ordinal, self._staging = size, ordinal, staging
-        handle = gpu.check(driver.cuMemCreate(size, gpu.allocation_prop(ordinal), 0), "cuMemCreate")
+        handle = gpu.check(gpu.driver.cuMemCreate(size, gpu.allocation_prop(ordinal), 0), "cuMemCreate")
         self._mapping = gpu.Mapping([handle], [size], ordinal, read_only=False)
-        handle_type = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        self._fd = gpu.check(driver.cuMemExportToShareableHandle(handle, handle_type, 0),
+        handle_type = gpu.driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._fd = gpu.check(gpu.driver.cuMemExportToShareableHandle(handle, handle_type, 0),
                              "cuMemExportToShareableHandle")
 
     def write_from_file(self, fd, file_offset, slab_offset, nbytes):

@@ -6,7 +6,8 @@ import os
 import pathlib
 import sys
 
-from . import logs
+from . import agent, example_engine, logs
+from .operator import main as operator_main
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -23,13 +24,22 @@ def _parallel(args):
     return Parallelism(tp_size=args.tp_size, tp_rank=args.tp_rank)
 
 
+def _host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:9400)")
+    return host.strip("[]"), int(port)
+
+
 def _add_daemon(sub):
     p = sub.add_parser("daemon", help="load a model and serve it over a Unix socket (foreground)",
                        description="Load a model's weights once into sealed slabs and serve them to engines "
                                    "over a Unix socket until SIGTERM.")
     p.add_argument("--model", required=True, type=pathlib.Path, help="model directory (config.json, *.safetensors)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda-vmm", "cuda-ipc"], help="memory backend (default: cpu)")
-    p.add_argument("--device", default="0", help="GPU UUID or ordinal for the GPU backends (default: 0)")
+    p.add_argument("--device", action="append", dest="devices",
+                   help="GPU UUID or ordinal for the GPU backends, repeatable, or 'all' (default: 0); one socket "
+                        "per device, and with several devices device i serves tensor-parallel rank i %% --tp-size")
     p.add_argument("--socket-dir", required=True, type=pathlib.Path, help="directory for the daemon's sockets")
     p.add_argument("--name", help="cache name (default: the model directory's name)")
     p.add_argument("--revision", default="", help="model revision recorded in the fingerprint")
@@ -44,9 +54,13 @@ def _add_daemon(sub):
                    help="share the socket directory (0750) and sockets (0660) with this gid; default private (0700/0600)")
     p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds a client has to send its request")
     p.add_argument("--max-connections", type=int, default=1024, help="concurrent connections before refusing")
-    p.add_argument("--max-slab-mib", type=int, default=1024, help="largest slab in MiB (larger tensors get their own)")
+    p.add_argument("--max-slab-mib", type=int, default=8192,
+                   help="largest slab in MiB (larger tensors get their own); each slab is one handle to import")
     p.add_argument("--load-workers", type=int, default=16, help="parallel file readers during the cold load")
     p.add_argument("--ready-fd", type=int, help="write 'ready' to this inherited fd once serving")
+    p.add_argument("--http-bind", type=_host_port, metavar="HOST:PORT",
+                   help="serve /healthz, /readyz, /metrics and /status here; a failed load then keeps the daemon "
+                        "up, reporting why, instead of exiting")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_cmd_daemon)
 
@@ -58,10 +72,11 @@ def _cmd_daemon(args) -> int:
     uids = frozenset(args.allow_uid) or frozenset({os.geteuid()})
     config = DaemonConfig(
         model_dir=args.model.resolve(), socket_dir=args.socket_dir, name=args.name or default_cache_name(args.model),
-        backend=args.backend, device=args.device, revision=args.revision, parallel=_parallel(args),
+        backend=args.backend, devices=tuple(args.devices or ["0"]), revision=args.revision, parallel=_parallel(args),
         tp_plan=args.tp_plan, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
         socket_group=args.socket_group, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_connections, max_slab_bytes=args.max_slab_mib << 20, load_workers=args.load_workers,
+        http_bind=args.http_bind,
     )
     return run(config, ready_fd=args.ready_fd)
 
@@ -178,7 +193,8 @@ def _cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local GPU weight cache for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_daemon, _add_attach, _add_status, _add_demo):
+    for add in (_add_daemon, _add_attach, _add_status, _add_demo, agent.add_command, example_engine.add_command,
+                operator_main.add_command):
         add(sub)
     return parser
 

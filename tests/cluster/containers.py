@@ -16,6 +16,28 @@ from .probes import ProbeState, run_check
 
 log = logging.getLogger("cluster.containers")
 BACKOFF_MAX = 10.0  # the kubelet's is 5 minutes; tests want to see restarts quickly
+# terminationMessagePolicy FallbackToLogsOnError: the kubelet's limits on the log tail
+# it puts into the termination message (kubecontainer.MaxContainerTerminationMessageLog*).
+TAIL_LINES, TAIL_BYTES = 80, 2048
+
+
+def log_tail(path: Path, offset: int, max_lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> str:
+    """What the kubelet makes of a failed container's log: its last MAX_LINES lines, of
+    which at most the last MAX_BYTES. Only this run's output counts (from OFFSET on, less
+    the header line procs.spawn writes). MAX_BYTES + 1 bytes from the end are enough: if
+    they hold more than MAX_LINES lines, the line cut falls inside them; if not, the
+    byte cut does."""
+    try:
+        with open(path, "rb") as f:
+            start = max(offset, f.seek(0, 2) - max_bytes - 1)
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return ""
+    if start == offset and data.startswith(b"--- "):
+        data = data.partition(b"\n")[2]
+    tail = b"".join(data.splitlines(keepends=True)[-max_lines:])[-max_bytes:]
+    return tail.decode(errors="replace")
 
 
 def stamp() -> str:
@@ -128,6 +150,7 @@ class Container:
         if not launch.argv:
             self._terminated(127, "ContainerCannotRun", t0, "no command: image has no entrypoint here")
             return 127
+        log_start = launch.log_path.stat().st_size if launch.log_path.exists() else 0
         try:
             proc = procs.spawn(launch.argv, launch.log_path, env=launch.env, cwd=launch.cwd)
         except OSError as e:
@@ -177,6 +200,11 @@ class Container:
         else:
             code = 128 - code if code < 0 else code
             reason = "Completed" if code == 0 else "Error"
+        if code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            # No terminationMessagePath file here, so the log always stands in; the
+            # kubelet appends it to any message of its own, after ": ".
+            tail = log_tail(launch.log_path, log_start)
+            message = f"{message}: {tail}" if message and tail else (message or tail)
         self._terminated(code, reason, t0, message)
         log.info("container %s exited %s (%s)", self.name, code, reason)
         return code

@@ -128,3 +128,41 @@ def test_a_strided_shard_is_read_in_chunks_of_whole_rows():
     assert [(r.file_offset, r.slab_offset, r.nbytes, r.rows) for r in reads] == [
         (8, 0, 12, 3), (44, 12, 12, 3), (80, 24, 12, 3), (116, 36, 4, 1)]
     assert all(r.pitch == 12 for r in reads)
+
+
+def test_evenly_spaced_runs_split_where_the_distance_changes():
+    from weightcache.client.mapping import evenly_spaced_runs
+
+    members = [(0, "a"), (10, "b"), (20, "c"), (35, "d"), (50, "e"), (50, "f"), (51, "g")]
+    assert list(evenly_spaced_runs(members)) == [(0, 10, ["a", "b", "c"]), (35, 15, ["d", "e"]),
+                                                 (50, 1, ["f", "g"])]
+    assert list(evenly_spaced_runs([(7, "only")])) == [(7, 0, ["only"])]
+
+
+def test_views_built_in_runs_hold_exactly_their_own_bytes():
+    # Layers repeat shapes at a fixed distance (built as one strided tensor, unbound);
+    # an odd tensor in between breaks a run. Every view must read its own bytes.
+    import torch
+
+    from weightcache.client.mapping import build_views
+
+    tensors, offset = [], 0
+    for layer in range(5):
+        for name, shape, nbytes, dtype in (("q", (8, 8), 256, "F32"), ("k", (4, 8), 128, "F32"),
+                                           ("norm", (16,), 32, "BF16")):
+            tensors.append(TensorSource(f"l{layer}.{name}", dtype, shape, pathlib.Path("a"), offset, nbytes))
+            offset += nbytes
+        if layer == 2:
+            tensors.append(source("odd", 64, offset=offset))
+            offset += 64
+    plan = plan_slabs(tensors, alignment=32, max_slab_bytes=1 << 20)
+    layout = to_wire(plan)
+    slabs = [torch.randint(0, 255, (s.size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(s.index))
+             for s in layout.slabs]
+    views = build_views(layout, slabs)
+    assert len(views) == len(tensors)
+    for p in plan.placements:
+        view = views[p.source.name]
+        expected = slabs[p.slab][p.offset:p.offset + p.source.nbytes]
+        assert tuple(view.shape) == p.source.shape
+        assert torch.equal(view.contiguous().view(torch.uint8).flatten(), expected), p.source.name

@@ -1,0 +1,139 @@
+"""What the daemon tells the outside world over HTTP: liveness, readiness, Prometheus
+metrics and a status document the operator aggregates into the WeightCache.
+
+`DaemonState` is written by the loading threads and read by HTTP threads; every read
+takes a snapshot under its lock, so a scrape never sees a half-updated state.
+"""
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from weightcache.client import fingerprint as fp
+
+log = logging.getLogger("weightcache.daemon")
+
+LOADING, READY, FAILED = "loading", "ready", "failed"
+
+
+@dataclass
+class DaemonState:
+    cache: str
+    backend: str
+    model: str
+    state: str = LOADING
+    reason: str = ""
+    message: str = ""
+    total_bytes: int = 0
+    loaded_bytes: int = 0
+    _started: float = field(default_factory=time.monotonic)
+    _served: list = field(default_factory=list)  # (ResidentCache, CacheServer, socket path)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def expect(self, nbytes: int) -> None:
+        with self._lock:
+            self.total_bytes += nbytes
+
+    def loaded(self, nbytes: int) -> None:
+        with self._lock:
+            self.loaded_bytes += nbytes
+
+    def ready(self, served: list) -> None:
+        with self._lock:
+            self._served = list(served)
+            self.state = READY
+
+    def fail(self, reason: str, message: str) -> None:
+        with self._lock:
+            self.state, self.reason, self.message = FAILED, reason, message
+
+    def snapshot(self) -> dict:
+        """The status document (the contract the operator reads; see docs/protocol.md)."""
+        with self._lock:
+            elapsed = time.monotonic() - self._started
+            rate = self.loaded_bytes / elapsed if elapsed > 0 and self.state == LOADING else None
+            remaining = self.total_bytes - self.loaded_bytes
+            devices = [{"device": cache.device, "socket": str(path), "fingerprint": fp.digest(cache.fingerprint),
+                        "fingerprint_fields": fp.fields(cache.fingerprint), "resident_bytes": cache.resident_bytes,
+                        "tensors": len(cache.layout.tensors.name), "attached_clients": server.attached_clients}
+                       for cache, server, path in self._served]
+            return {
+                "cache": self.cache, "state": self.state, "reason": self.reason, "message": self.message,
+                "backend": self.backend, "pid": os.getpid(), "model": self.model,
+                "progress": {"loaded_bytes": self.loaded_bytes, "total_bytes": self.total_bytes,
+                             "bytes_per_s": rate, "eta_s": remaining / rate if rate else None},
+                "devices": devices,
+            }
+
+
+class StateCollector:
+    """Prometheus metrics computed from the state at scrape time."""
+
+    def __init__(self, state: DaemonState):
+        self.state = state
+
+    def collect(self):
+        doc = self.state.snapshot()
+        labels = ["cache", "device"]
+        ready = GaugeMetricFamily("weightcache_ready", "1 once every device's socket is published", labels=["cache"])
+        ready.add_metric([doc["cache"]], 1.0 if doc["state"] == READY else 0.0)
+        failed = GaugeMetricFamily("weightcache_failed", "1 if loading failed (see /status for the reason)",
+                                   labels=["cache", "reason"])
+        failed.add_metric([doc["cache"], doc["reason"]], 1.0 if doc["state"] == FAILED else 0.0)
+        loaded = GaugeMetricFamily("weightcache_load_bytes", "bytes read into slabs so far", labels=["cache"])
+        loaded.add_metric([doc["cache"]], doc["progress"]["loaded_bytes"])
+        total = GaugeMetricFamily("weightcache_load_total_bytes", "bytes the load will read", labels=["cache"])
+        total.add_metric([doc["cache"]], doc["progress"]["total_bytes"])
+        resident = GaugeMetricFamily("weightcache_resident_bytes", "bytes held in slabs", labels=labels)
+        clients = GaugeMetricFamily("weightcache_attached_clients", "engines attached now", labels=labels)
+        for d in doc["devices"]:
+            resident.add_metric([doc["cache"], d["device"]], d["resident_bytes"])
+            clients.add_metric([doc["cache"], d["device"]], d["attached_clients"])
+        yield from (ready, failed, loaded, total, resident, clients)
+
+
+def serve_http(host: str, port: int, state: DaemonState) -> ThreadingHTTPServer:
+    """Start the health/metrics/status server on a background thread."""
+    registry = CollectorRegistry()
+    registry.register(StateCollector(state))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                self._send(HTTPStatus.OK, b"ok\n", "text/plain")
+            elif path == "/readyz":
+                doc = state.snapshot()
+                code = HTTPStatus.OK if doc["state"] == READY else HTTPStatus.SERVICE_UNAVAILABLE
+                self._send(code, json.dumps(doc).encode(), "application/json")
+            elif path == "/status":
+                self._send(HTTPStatus.OK, json.dumps(state.snapshot()).encode(), "application/json")
+            elif path == "/metrics":
+                self._send(HTTPStatus.OK, generate_latest(registry), CONTENT_TYPE_LATEST)
+            else:
+                self._send(HTTPStatus.NOT_FOUND, b"not found: try /healthz, /readyz, /status, /metrics\n",
+                           "text/plain")
+
+        def _send(self, code, body: bytes, content_type: str):
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # probes arrive every few seconds: keep the log quiet
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    log.info("http", extra={"fields": {"bind": f"{host}:{server.server_address[1]}"}})
+    return server

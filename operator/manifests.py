@@ -1,0 +1,185 @@
+"""Pure builders for what the operator sends: the daemon DaemonSet of a WeightCache, the
+node-local socket directory, and the node label that marks where a cache is ready.
+
+A WeightCache is the API's JSON form (a dict, camelCase keys, defaults applied by the
+CRD). Nothing here talks to a cluster; tests call these directly.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+
+from weightcache import __version__
+
+GROUP = "weightcache.io"
+VERSION = "v1alpha1"
+PLURAL = "weightcaches"
+KIND = "WeightCache"
+
+CACHE_LABEL = "weightcache.io/cache"  # on daemon pods and on engine pods (the opt-in)
+NAME_LABEL = "app.kubernetes.io/name"
+DAEMON_APP = "weightcache-daemon"
+NODE_LABEL_PREFIX = "cache.weightcache.io/"
+NODE_READY = "ready"
+FORCE_DELETE_ANNOTATION = "weightcache.io/force-delete"
+
+SOCKET_ROOT = "/run/weightcache"
+DAEMON_HTTP_PORT = 9400
+GPU_NODE_LABEL = "nvidia.com/gpu.present"  # the default placement of GPU backends
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What the operator's command line decides for every cache."""
+
+    daemon_image: str = f"weightcache-daemon:{__version__}"
+    agent_image: str = f"weightcache-engine:{__version__}"
+
+
+def socket_dir_for(namespace: str, name: str) -> str:
+    """The node's socket directory of one cache; the same path in daemon and engines."""
+    return f"{SOCKET_ROOT}/{namespace}/{name}"
+
+
+def node_label_key(namespace: str, name: str) -> str:
+    """`cache.weightcache.io/<hash10>`: "<namespace>.<name>" does not fit a label key's
+    63-character name part, so the key carries a digest of it."""
+    return NODE_LABEL_PREFIX + hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:10]
+
+
+def daemonset_name(name: str) -> str:
+    return f"weightcache-{name}"
+
+
+def daemon_labels(name: str) -> dict[str, str]:
+    """The DaemonSet's selector and its pods' labels."""
+    return {NAME_LABEL: DAEMON_APP, CACHE_LABEL: name}
+
+
+def owner_reference(cache: dict) -> dict:
+    meta = cache["metadata"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def model_volume(spec: dict) -> dict:
+    """The pod volume behind spec.model.path: the node's own directory, or the given source.
+
+    A hostPath of the model has no `type` on purpose: a missing directory must reach the
+    daemon, which then reports ModelNotFound in its status, instead of the pod hanging in
+    ContainerCreating with a mount error nobody reads."""
+    model = spec["model"]
+    source = model.get("volume")
+    if not source:
+        return {"name": "model", "hostPath": {"path": model["path"]}}
+    if "persistentVolumeClaim" in source:
+        return {"name": "model", "persistentVolumeClaim": {
+            "claimName": source["persistentVolumeClaim"]["claimName"], "readOnly": True}}
+    return {"name": "model", "hostPath": {"path": source["hostPath"]["path"]}}
+
+
+def socket_volume(namespace: str, name: str, volume_name: str = "sockets") -> dict:
+    return {"name": volume_name, "hostPath": {"path": socket_dir_for(namespace, name), "type": "DirectoryOrCreate"}}
+
+
+def device_args(spec: dict) -> list[str]:
+    """--device flags for the daemon: none on cpu; else the GPUs by UUID, the first N by
+    ordinal, or all of the node's."""
+    if spec.get("backend", "cuda-vmm") == "cpu":
+        return []
+    placement = spec.get("placement") or {}
+    if placement.get("gpuUUIDs"):
+        devices = list(placement["gpuUUIDs"])
+    elif placement.get("gpusPerNode"):
+        devices = [str(i) for i in range(placement["gpusPerNode"])]
+    else:
+        devices = ["all"]
+    return [a for d in devices for a in ("--device", d)]
+
+
+def daemon_args(cache: dict) -> list[str]:
+    meta, spec = cache["metadata"], cache["spec"]
+    parallelism = spec.get("parallelism") or {}
+    return ["daemon", "--model", spec["model"]["path"], "--backend", spec.get("backend", "cuda-vmm"),
+            "--socket-dir", socket_dir_for(meta["namespace"], meta["name"]), "--name", meta["name"],
+            "--revision", spec["model"].get("revision", ""), "--tp-size", str(parallelism.get("tensor", 1)),
+            *device_args(spec), "--http-bind", f"$(POD_IP):{DAEMON_HTTP_PORT}"]
+
+
+def _env(spec: dict) -> list[dict]:
+    ours = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # All GPUs visible, none requested: the daemon serves the node's GPUs by UUID.
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    extra = [dict(e) for e in ((spec.get("daemon") or {}).get("env") or []) if e["name"] != "POD_IP"]
+    names = {e["name"] for e in extra}
+    return [e for e in ours if e["name"] not in names] + extra
+
+
+def node_selector(spec: dict) -> dict[str, str]:
+    """placement.nodeSelector when given (an empty one too); else GPU nodes for the GPU
+    backends and any node for cpu."""
+    placement = spec.get("placement") or {}
+    if "nodeSelector" in placement:
+        return dict(placement["nodeSelector"] or {})
+    return {} if spec.get("backend", "cuda-vmm") == "cpu" else {GPU_NODE_LABEL: "true"}
+
+
+def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
+    """The one DaemonSet that runs CACHE's daemon on every selected node."""
+    meta, spec = cache["metadata"], cache["spec"]
+    ns, name = meta["namespace"], meta["name"]
+    labels = daemon_labels(name)
+    daemon = spec.get("daemon") or {}
+    sockets = socket_dir_for(ns, name)
+    container = {
+        "name": "daemon",
+        "image": daemon.get("image") or defaults.daemon_image,
+        "args": daemon_args(cache),
+        "env": _env(spec),
+        "ports": [{"name": "http", "containerPort": DAEMON_HTTP_PORT, "protocol": "TCP"}],
+        # /readyz answers 200 once every device's socket is published; /healthz while the
+        # process serves, loading or failed, so a bad model is reported, not restarted.
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2,
+                           "failureThreshold": 1},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 3},
+        "securityContext": {"privileged": True},
+        "volumeMounts": [{"name": "sockets", "mountPath": sockets},
+                         {"name": "model", "mountPath": spec["model"]["path"], "readOnly": True}],
+    }
+    if daemon.get("resources"):
+        container["resources"] = copy.deepcopy(daemon["resources"])
+    pod_spec = {
+        "containers": [container],
+        "volumes": [socket_volume(ns, name), model_volume(spec)],
+        "automountServiceAccountToken": False,  # the daemon never calls the API
+        "terminationGracePeriodSeconds": 30,
+    }
+    selector = node_selector(spec)
+    if selector:
+        pod_spec["nodeSelector"] = selector
+    tolerations = (spec.get("placement") or {}).get("tolerations")
+    if tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(tolerations)
+    if daemon.get("priorityClassName"):
+        pod_spec["priorityClassName"] = daemon["priorityClassName"]
+    if spec.get("backend") == "cuda-ipc":
+        # Legacy CUDA IPC handles open only across a shared IPC and PID namespace.
+        pod_spec["hostIPC"] = True
+        pod_spec["hostPID"] = True
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": daemonset_name(name), "namespace": ns,
+                     "labels": {**labels, "app.kubernetes.io/managed-by": "weightcache-operator"},
+                     "ownerReferences": [owner_reference(cache)]},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }

@@ -1,0 +1,128 @@
+"""The operator's pure builders: the daemon DaemonSet, socket directory, node label key."""
+
+import hashlib
+import re
+
+import pytest
+
+from weightcache.operator.manifests import (Defaults, daemonset_for, device_args, node_label_key, node_selector,
+                                            socket_dir_for)
+
+
+def cache(name="llama", ns="ml", **spec):
+    base = {"model": {"path": "/models/llama", "revision": "abc"}, "backend": "cuda-vmm", "dtype": "auto",
+            "quantization": "none", "parallelism": {"tensor": 1, "pipeline": 1, "data": 1},
+            "clientPolicy": {"fallback": "disk"}}
+    base.update(spec)
+    return {"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache",
+            "metadata": {"name": name, "namespace": ns, "uid": "u-1", "generation": 1}, "spec": base}
+
+
+def daemon(ds):
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_socket_dir_and_node_label_key():
+    assert socket_dir_for("ml", "llama") == "/run/weightcache/ml/llama"
+    key = node_label_key("ml", "llama")
+    assert key == "cache.weightcache.io/" + hashlib.sha256(b"ml/llama").hexdigest()[:10]
+    assert re.fullmatch(r"cache\.weightcache\.io/[0-9a-f]{10}", key)
+    # namespace and name are both part of it: same name elsewhere is another cache
+    assert node_label_key("other", "llama") != key and node_label_key("ml", "llama2") != key
+
+
+def test_one_owned_daemonset_with_the_contract_shape():
+    ds = daemonset_for(cache(), Defaults(daemon_image="reg/weightcache-daemon:1"))
+    meta = ds["metadata"]
+    assert meta["name"] == "weightcache-llama" and meta["namespace"] == "ml"
+    assert meta["ownerReferences"] == [{"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache",
+                                        "name": "llama", "uid": "u-1", "controller": True,
+                                        "blockOwnerDeletion": True}]
+    labels = {"app.kubernetes.io/name": "weightcache-daemon", "weightcache.io/cache": "llama"}
+    assert ds["spec"]["selector"]["matchLabels"] == labels
+    assert ds["spec"]["template"]["metadata"]["labels"] == labels
+    c = daemon(ds)
+    assert c["name"] == "daemon" and c["image"] == "reg/weightcache-daemon:1"
+    assert c["args"] == ["daemon", "--model", "/models/llama", "--backend", "cuda-vmm", "--socket-dir",
+                         "/run/weightcache/ml/llama", "--name", "llama", "--revision", "abc", "--tp-size", "1",
+                         "--device", "all", "--http-bind", "$(POD_IP):9400"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert c["ports"] == [{"name": "http", "containerPort": 9400, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["securityContext"] == {"privileged": True}
+    assert "nvidia.com/gpu" not in repr(c.get("resources"))
+    pod = ds["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["sockets"]["hostPath"] == {"path": "/run/weightcache/ml/llama", "type": "DirectoryOrCreate"}
+    # no type: a missing model directory must reach the daemon, which reports it
+    assert vols["model"]["hostPath"] == {"path": "/models/llama"}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["sockets"]["mountPath"] == "/run/weightcache/ml/llama" and not mounts["sockets"].get("readOnly")
+    assert mounts["model"] == {"name": "model", "mountPath": "/models/llama", "readOnly": True}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "hostIPC" not in pod and "hostPID" not in pod
+
+
+def test_the_cache_daemon_image_wins_over_the_operator_default():
+    ds = daemonset_for(cache(daemon={"image": "mine:2"}), Defaults(daemon_image="default:1"))
+    assert daemon(ds)["image"] == "mine:2"
+
+
+def test_placement_resources_priority_and_env_pass_through():
+    tol = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    ds = daemonset_for(cache(placement={"nodeSelector": {"pool": "a100"}, "tolerations": tol},
+                             daemon={"resources": {"limits": {"memory": "4Gi"}}, "priorityClassName": "high",
+                                     "env": [{"name": "X", "value": "1"},
+                                             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"},
+                                             {"name": "POD_IP", "value": "bogus"}]}))
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "a100"} and pod["tolerations"] == tol
+    assert pod["priorityClassName"] == "high"
+    c = daemon(ds)
+    assert c["resources"] == {"limits": {"memory": "4Gi"}}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["X"]["value"] == "1" and env["NVIDIA_VISIBLE_DEVICES"]["value"] == "0"
+    assert "valueFrom" in env["POD_IP"]  # the --http-bind address is not the user's to change
+    assert len(c["env"]) == len(env)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ({"backend": "cpu"}, []),
+    ({"placement": {"gpusPerNode": 3}}, ["--device", "0", "--device", "1", "--device", "2"]),
+    ({"placement": {"gpuUUIDs": ["GPU-a", "GPU-b"]}}, ["--device", "GPU-a", "--device", "GPU-b"]),
+    ({}, ["--device", "all"]),
+])
+def test_device_flags(spec, expected):
+    assert device_args({"backend": "cuda-vmm", **spec}) == expected
+
+
+def test_cpu_has_no_default_node_selector_but_an_explicit_empty_one_is_kept():
+    assert node_selector({"backend": "cpu"}) == {}
+    assert node_selector({"backend": "cuda-vmm", "placement": {"nodeSelector": {}}}) == {}
+    assert "nodeSelector" not in daemonset_for(cache(backend="cpu"))["spec"]["template"]["spec"]
+
+
+def test_cuda_ipc_daemon_shares_host_ipc_and_pid():
+    pod = daemonset_for(cache(backend="cuda-ipc", allowHostIPC=True))["spec"]["template"]["spec"]
+    assert pod["hostIPC"] is True and pod["hostPID"] is True
+
+
+def test_model_volume_sources():
+    pvc = daemonset_for(cache(model={"path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}))
+    vols = {v["name"]: v for v in pvc["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model"] == {"name": "model", "persistentVolumeClaim": {"claimName": "w", "readOnly": True}}
+    hp = daemonset_for(cache(model={"path": "/m", "volume": {"hostPath": {"path": "/data/w"}}}))
+    vols = {v["name"]: v for v in hp["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model"] == {"name": "model", "hostPath": {"path": "/data/w"}}
+    assert daemon(hp)["args"][2] == "/m"  # the daemon reads the model where the volume is mounted
+
+
+def test_a_changed_spec_changes_the_template_and_an_unchanged_one_does_not():
+    a, b = daemonset_for(cache()), daemonset_for(cache())
+    assert a == b
+    c = daemonset_for(cache(model={"path": "/models/llama", "revision": "def"}))
+    assert c["spec"]["template"] != a["spec"]["template"]

@@ -9,7 +9,6 @@ import fcntl
 import logging
 import os
 import pathlib
-import signal
 import stat
 import threading
 import time
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from weightcache.client import fingerprint as fp
 from weightcache.client.errors import CheckpointError, UnsupportedQuantization
+from weightcache.signals import stop_on_signal
 from weightcache.client.spawn import EXIT_ALREADY_SERVED
 from weightcache.client.protocol import MAX_SOCKET_PATH, check_cache_name, socket_name
 
@@ -180,19 +180,11 @@ def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonStat
     return served
 
 
-def _stop_on_signal() -> threading.Event:
-    """SIGTERM/SIGINT set the returned event. Installed once loading is over: a signal
-    during the load keeps its default action, so a pod being deleted never waits for it."""
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
-
-
 def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     """Load, serve until SIGTERM or SIGINT, clean up. Returns the process exit code.
 
-    Without HTTP, a load that fails raises (the CLI exits 2 naming the problem). With
+    Signals keep their default action while loading, so a pod being deleted never waits
+    for a load. Without HTTP, a load that fails raises (the CLI exits 2 naming the problem). With
     HTTP, the daemon stays up and reports the failure, so that a pod shows why it is
     not ready instead of restarting into the same error.
     """
@@ -215,7 +207,7 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     except Exception as exc:
         if http is None:
             raise
-        stop = _stop_on_signal()
+        stop = stop_on_signal()
         state.fail(failure_reason(exc, config.model_dir), str(exc))
         log.error("load failed", extra={"fields": {"reason": state.reason, "error": str(exc)}})
         stop.wait()
@@ -226,7 +218,7 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
         log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
                                             "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
                                             "load_s": round(cache.load_s, 3)}})
-    stop = _stop_on_signal()
+    stop = stop_on_signal()
     state.ready([(cache, server, path) for cache, server, path, _ in served])
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")

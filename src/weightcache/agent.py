@@ -18,7 +18,6 @@ attached clients, and the engine's report from --report-file).
 import json
 import logging
 import pathlib
-import signal
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from weightcache.client.modelfiles import read_config
 from weightcache.client.protocol import LAYOUT_VERSION
 
 from .httpjson import JsonHandler, host_port, serve
+from .signals import stop_on_signal
 
 log = logging.getLogger("weightcache.agent")
 
@@ -195,24 +195,10 @@ def handler_for(agent: Agent) -> type[JsonHandler]:
     class Handler(JsonHandler):
         def do_GET(self):
             route = self.route()
-            if route == "/healthz":
-                self.send_json(HTTPStatus.OK, {"ok": True})
-            elif route == "/ready":
-                doc = agent.status()
-                self.send_json(HTTPStatus.OK if doc["ready"] else HTTPStatus.SERVICE_UNAVAILABLE, doc)
-            elif route == "/status":
-                self.send_json(HTTPStatus.OK, agent.status())
-            else:
+            if not self.answer_probe(route, lambda: agent.verdict.ready, agent.status):
                 self.send_error_json(HTTPStatus.NOT_FOUND, f"no route {route}; try /ready, /healthz, /status")
 
     return Handler
-
-
-def _stop_on_signal() -> threading.Event:
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
-    return stop
 
 
 def run(args) -> int:
@@ -221,7 +207,7 @@ def run(args) -> int:
     server = serve(*args.http_bind, handler_for(agent))
     log.info("agent serving", extra={"fields": {"bind": "%s:%d" % server.server_address[:2], "cache": args.cache,
                                                 "socket_dir": str(args.socket_dir)}})
-    stop = _stop_on_signal()
+    stop = stop_on_signal()
     deadline = time.monotonic() + args.wait_timeout
     try:
         while not stop.is_set():

@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 from . import agent, example_engine, logs
+from .httpjson import host_port
 from .operator import main as operator_main
 
 EXIT_FAILED = 1
@@ -22,13 +23,6 @@ def _parallel(args):
     from weightcache.client import Parallelism
 
     return Parallelism(tp_size=args.tp_size, tp_rank=args.tp_rank)
-
-
-def _host_port(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:9400)")
-    return host.strip("[]"), int(port)
 
 
 def _add_daemon(sub):
@@ -58,7 +52,7 @@ def _add_daemon(sub):
                    help="largest slab in MiB (larger tensors get their own); each slab is one handle to import")
     p.add_argument("--load-workers", type=int, default=16, help="parallel file readers during the cold load")
     p.add_argument("--ready-fd", type=int, help="write 'ready' to this inherited fd once serving")
-    p.add_argument("--http-bind", type=_host_port, metavar="HOST:PORT",
+    p.add_argument("--http-bind", type=host_port, metavar="HOST:PORT",
                    help="serve /healthz, /readyz, /metrics and /status here; a failed load then keeps the daemon "
                         "up, reporting why, instead of exiting")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -19,12 +19,12 @@ HTTP (standard library):
 import logging
 import os
 import pathlib
-import signal
 import threading
 import time
 from http import HTTPStatus
 
 from .httpjson import BadRequest, JsonHandler, host_port, serve
+from .signals import stop_on_signal
 
 log = logging.getLogger("weightcache.engine")
 
@@ -127,13 +127,9 @@ def handler_for(engine: Engine) -> type[JsonHandler]:
     class Handler(JsonHandler):
         def do_GET(self):
             route = self.route()
-            if route == "/healthz":
-                self.send_json(HTTPStatus.OK, {"ok": True})
-            elif route == "/ready":
-                self.send_json(HTTPStatus.OK if engine.ready else HTTPStatus.SERVICE_UNAVAILABLE, engine.status())
-            elif route == "/status":
-                self.send_json(HTTPStatus.OK, engine.status())
-            elif route == "/infer":
+            if self.answer_probe(route, lambda: engine.ready, engine.status):
+                return
+            if route == "/infer":
                 self.send_error_json(HTTPStatus.METHOD_NOT_ALLOWED, 'use POST /infer with {"sentences": [...]}')
             else:
                 self.send_error_json(HTTPStatus.NOT_FOUND, f"no route {route}; try /healthz, /ready, /status, "
@@ -174,10 +170,7 @@ def run(args) -> int:
         # SIGTERM keeps its default action while loading (a pod being deleted never
         # waits for a load); once loaded, it stops the server and the process cleanly.
         engine.load()
-        stop = threading.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-        stop.wait()
+        stop_on_signal().wait()
         log.info("engine stopping", extra={"fields": {}})
         return 0
     finally:

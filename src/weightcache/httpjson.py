@@ -68,6 +68,19 @@ class JsonHandler(BaseHTTPRequestHandler):
     def route(self) -> str:
         return self.path.split("?", 1)[0]
 
+    def answer_probe(self, route: str, ready, status) -> bool:
+        """/healthz, /ready and /status as every weightcache sidecar and engine answers
+        them (ready() -> bool, status() -> dict); False for any other route."""
+        if route == "/healthz":
+            self.send_json(HTTPStatus.OK, {"ok": True})
+        elif route == "/ready":
+            self.send_json(HTTPStatus.OK if ready() else HTTPStatus.SERVICE_UNAVAILABLE, status())
+        elif route == "/status":
+            self.send_json(HTTPStatus.OK, status())
+        else:
+            return False
+        return True
+
     def log_message(self, *args):  # probes arrive every few seconds: keep the log quiet
         pass
 

@@ -12,18 +12,12 @@ import urllib.request
 
 import pytest
 
-from procs import wait_until
+from procs import free_port, wait_until
 from weightcache.agent import EXIT_MISMATCH, EXIT_TIMEOUT, MODEL_FIELDS, expected_fields
 from weightcache.client import fingerprint as fp
 from weightcache.client import query_status
 from weightcache.client.attach import list_sockets
 from weightcache.synthetic import write_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> tuple[int, dict]:

@@ -4,7 +4,6 @@ and a failed load reported with its reason while the process stays up."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -12,16 +11,10 @@ import urllib.request
 
 import pytest
 
-from procs import wait_until
+from procs import free_port, wait_until
 from weightcache.client import attach, list_sockets
 from weightcache.client.fingerprint import digest
 from weightcache.synthetic import write_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:

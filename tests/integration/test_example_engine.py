@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import wait_until
+from procs import free_port, wait_until
 from weightcache.client import query_status
 from weightcache.client.attach import list_sockets
 from weightcache.client.spawn import spawn_daemon
@@ -24,12 +23,6 @@ from weightcache.demo import packaged_model_dir
 
 SENTENCES = ["A restarting engine maps its weights instead of reading them.", "Short.",
              "Weights stay resident on the node while engines come and go."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(url: str, body: bytes | None = None, method: str | None = None, headers=None) -> tuple[int, dict]:

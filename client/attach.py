@@ -10,7 +10,7 @@ from . import fingerprint as fp
 from . import wire_pb2 as wire
 from .errors import CacheUnavailable, FingerprintMismatch, PeerRejected, ProtocolError
 from .mapping import build_views, map_slabs
-from .protocol import (MAX_RESPONSE_BYTES, PROTOCOL_VERSION, parse_socket_name, recv_message,
+from .protocol import (MAX_RESPONSE_BYTES, PROTOCOL_VERSION, parse_socket_name, reachable, recv_message,
                        send_message)
 
 Error = wire.Error
@@ -67,7 +67,8 @@ def _connect(path: pathlib.Path, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        sock.connect(str(path))
+        with reachable(path) as name:
+            sock.connect(name)
     except BaseException:
         sock.close()
         raise

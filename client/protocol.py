@@ -6,6 +6,7 @@ File descriptors travel as SCM_RIGHTS ancillary data on the frame's first bytes.
 docs/protocol.md is the reader's version of this file.
 """
 
+import contextlib
 import os
 import re
 import socket
@@ -43,6 +44,32 @@ def check_cache_name(name: str) -> str:
             "starting and ending with a letter or digit"
         )
     return name
+
+
+@contextlib.contextmanager
+def reachable(path):
+    """A name for the socket at `path` that fits sun_path, for bind() or connect().
+
+    A node's socket directory (/run/weightcache/<namespace>/<cache>/) and a socket name
+    holding a GPU UUID easily exceed 107 bytes together. A longer path is reached through
+    an fd of its directory, held for the call: /proc/self/fd/<fd>/<name>, which the
+    kernel resolves like the directory itself; only the name then counts.
+    """
+    path = str(path)
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        yield path
+        return
+    directory, name = os.path.split(path)
+    fd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        short = f"/proc/self/fd/{fd}/{name}"
+        if len(os.fsencode(short)) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket name {name!r} is {len(os.fsencode(name))} bytes; even reached through its "
+                             f"directory's fd ({short}) it exceeds the {MAX_SOCKET_PATH} bytes a Unix socket "
+                             "allows: use a shorter cache name")
+        yield short
+    finally:
+        os.close(fd)
 
 
 def socket_name(cache_name: str, device: str, digest: str) -> str:

@@ -19,7 +19,7 @@ from weightcache.client import fingerprint as fp
 from weightcache.client.errors import CheckpointError, UnsupportedQuantization
 from weightcache.signals import stop_on_signal
 from weightcache.client.spawn import EXIT_ALREADY_SERVED
-from weightcache.client.protocol import MAX_SOCKET_PATH, check_cache_name, socket_name
+from weightcache.client.protocol import check_cache_name, reachable, socket_name
 
 from .backends import canonical_devices, make_backend
 from .checkpoint import read_checkpoint
@@ -137,13 +137,13 @@ def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonS
 
 def publish(config: DaemonConfig, cache: ResidentCache) -> tuple[CacheServer, pathlib.Path]:
     final = config.socket_dir / socket_name(config.name, cache.device, fp.digest(cache.fingerprint))
-    if len(str(final)) > MAX_SOCKET_PATH:
-        raise ValueError(f"socket path {final} is {len(str(final))} bytes; Unix sockets allow {MAX_SOCKET_PATH}. "
-                         "Use a shorter --socket-dir or --name.")
+    with reachable(final):
+        pass  # a name too long even through the directory's fd fails here, before binding
     temporary = final.with_name(f".{os.getpid()}.{cache.device}.binding")
     temporary.unlink(missing_ok=True)
-    server = CacheServer(str(temporary), cache, AccessPolicy(config.allow_uids, config.allow_gids),
-                         handshake_timeout=config.handshake_timeout, max_connections=config.max_connections)
+    with reachable(temporary) as address:
+        server = CacheServer(address, cache, AccessPolicy(config.allow_uids, config.allow_gids),
+                             handshake_timeout=config.handshake_timeout, max_connections=config.max_connections)
     os.chmod(temporary, 0o660 if config.socket_group is not None else 0o600)
     if config.socket_group is not None:
         os.chown(temporary, -1, config.socket_group)

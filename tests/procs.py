@@ -8,7 +8,6 @@ import os
 import pathlib
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,6 @@ import time
 from weightcache.client.spawn import spawn_daemon
 
 ENGINE = pathlib.Path(__file__).with_name("engine_proc.py")
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody holds right now (for a server the test starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -82,3 +82,17 @@ def wait_pod(cluster: Cluster, namespace: str, name: str, check, what: str, time
 
 def wait_gone(cluster: Cluster, namespace: str, kind: str, name: str, timeout: float = 60) -> None:
     wait_for(lambda: get(cluster, namespace, kind, name) is None, timeout, f"{kind} {namespace}/{name} gone")
+
+
+def condition(obj: dict | None, kind: str) -> dict:
+    """The status condition of this type ({} when absent)."""
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == kind:
+            return c
+    return {}
+
+
+def ready_now(obj: dict | None) -> bool:
+    """Ready=True for the current generation (not a stale Ready of an earlier spec)."""
+    c = condition(obj, "Ready")
+    return c.get("status") == "True" and c.get("observedGeneration") == obj["metadata"]["generation"]

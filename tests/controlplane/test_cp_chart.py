@@ -117,7 +117,10 @@ def test_the_webhook_selects_only_labelled_pods_outside_the_release_namespace(cl
     (hook,) = one(docs, "MutatingWebhookConfiguration")["webhooks"]
     assert hook["clientConfig"]["service"] == {"name": "rel-webhook", "namespace": "wc-sys", "path": "/mutate-pods",
                                                "port": 8443}
-    assert hook["objectSelector"] == {"matchExpressions": [{"key": "weightcache.io/cache", "operator": "Exists"}]}
+    assert hook["objectSelector"] == {"matchExpressions": [
+        {"key": "weightcache.io/cache", "operator": "Exists"},
+        {"key": "app.kubernetes.io/name", "operator": "NotIn", "values": ["weightcache-daemon"]}]}
+    assert hook["reinvocationPolicy"] == "IfNeeded"
     assert hook["namespaceSelector"] == {"matchExpressions": [
         {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["wc-sys", "kube-system"]}]}
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],

@@ -91,3 +91,11 @@ def test_status_is_a_subresource_with_a_strict_schema(crd, namespace):
     assert got["status"] == {"readyNodes": "1/2", "attachedClients": 3, "size": "16 GiB"}  # unknown field pruned
     row = crd.kubectl("get", "wc", "st", "-n", namespace, "--no-headers").stdout.split()
     assert row[1:5] == ["1/2", "cuda-vmm", "16", "GiB"] and row[5] == "3"
+
+
+def test_a_gpu_cache_name_must_fit_the_daemons_socket_name(crd, namespace):
+    long_name = "a" * 29
+    result = create(crd, namespace, cache(long_name), check=False)
+    assert result.returncode != 0 and "a GPU cache's name is at most 28 characters" in result.stderr, result.stderr
+    create(crd, namespace, cache("a" * 28))
+    create(crd, namespace, cache(long_name, backend="cpu"))

@@ -27,7 +27,7 @@ import pytest
 from cluster import wait_for
 from cluster.pki import _key, _openssl, _signed, server_ext
 from cluster.procs import free_port
-from cluster.testkit import SIMULATED_IMAGE, container, is_ready, pod
+from cluster.testkit import SIMULATED_IMAGE, condition, container, is_ready, pod, ready_now
 from weightcache.demo import packaged_model_dir
 from weightcache.operator.manifests import node_label_key
 
@@ -171,18 +171,6 @@ def get_wc(cluster, name: str) -> dict | None:
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def cond(obj: dict | None, kind: str) -> dict:
-    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
-        if c["type"] == kind:
-            return c
-    return {}
-
-
-def ready_now(obj: dict | None) -> bool:
-    c = cond(obj, "Ready")
-    return c.get("status") == "True" and c.get("observedGeneration") == obj["metadata"]["generation"]
-
-
 def create_cache(cluster, name: str, path: str = MODEL, **spec) -> None:
     manifest = {"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "metadata": {"name": name},
                 "spec": {"model": {"path": path}, "backend": "cpu", **spec}}
@@ -270,7 +258,7 @@ def test_a_cpu_cache_becomes_ready_on_every_node_with_fingerprint_and_labels(clu
     assert st["readyNodes"] == f"{n}/{n}" and st["nodes"]["ready"] == n and st["nodes"]["failed"] == 0
     assert len(st["fingerprint"]) == 64 and st["bytesPerGPU"] > 80 << 20 and st["size"].endswith("MiB")
     assert st["attachedClients"] == 0
-    assert cond(wc, "Degraded")["status"] == "False" and cond(wc, "Progressing")["status"] == "False"
+    assert condition(wc, "Degraded")["status"] == "False" and condition(wc, "Progressing")["status"] == "False"
     for node in cluster.nodes:  # each node's daemon published the socket named for that fingerprint
         (sock,) = sockets(cluster, node, mini)
         assert sock.name == f"mini__cpu__{st['fingerprint'][:12]}.sock"
@@ -357,13 +345,13 @@ def test_a_spec_change_rolls_the_daemonset(cluster, mini):
 
 def test_a_missing_model_path_degrades_the_cache_with_the_daemons_reason(cluster, op):
     create_cache(cluster, "gone", path="/m/none")
-    wc = wait_cache(cluster, "gone", lambda o: cond(o, "Degraded").get("status") == "True"
+    wc = wait_cache(cluster, "gone", lambda o: condition(o, "Degraded").get("status") == "True"
                     and o["status"]["nodes"]["failed"] == len(cluster.nodes), "degraded on every node")
-    degraded = cond(wc, "Degraded")
+    degraded = condition(wc, "Degraded")
     assert degraded["reason"] in ("ModelNotFound", "InvalidCheckpoint"), degraded
     assert "m/none" in degraded["message"]
     assert {f["node"] for f in wc["status"]["nodes"]["failures"]} == set(cluster.nodes)
-    assert cond(wc, "Ready")["status"] == "False" and labelled_nodes(cluster, "gone") == set()
+    assert condition(wc, "Ready")["status"] == "False" and labelled_nodes(cluster, "gone") == set()
     wait(lambda: events(cluster, "gone", degraded["reason"]), 30, "an event with the reason")
     # Reported, not a crash loop: the daemons stay up saying why.
     for p in daemon_pods(cluster, "gone"):
@@ -382,18 +370,18 @@ def test_delete_waits_for_attached_clients_and_engine_pods_then_cleans_up(cluste
         wait_cache(cluster, "del", lambda o: o["status"].get("attachedClients") == 1, "showing the client", 30)
         create_pod(cluster, engine_pod("user", "del"))
         cluster.kubectl("delete", "wc", "del", "-n", NS, "--wait=false")
-        blocked = wait_cache(cluster, "del", lambda o: cond(o, "Progressing").get("reason") == "DeletionBlocked",
+        blocked = wait_cache(cluster, "del", lambda o: condition(o, "Progressing").get("reason") == "DeletionBlocked",
                              "saying its deletion is blocked", 30)
-        message = cond(blocked, "Progressing")["message"]
+        message = condition(blocked, "Progressing")["message"]
         assert "1 attached client(s)" in message and "user" in message and "force-delete" in message
-        assert cond(blocked, "Ready")["reason"] == "Deleting"
+        assert condition(blocked, "Ready")["reason"] == "Deleting"
         wait(lambda: events(cluster, "del", "DeletionBlocked"), 30, "a DeletionBlocked event")
         assert get_ds(cluster, "del") is not None and sockets(cluster, cluster.nodes[0], "del")
 
         cluster.kubectl("delete", "pod", "user", "-n", NS, "--wait=true", "--timeout=60s")
-        still = wait_cache(cluster, "del", lambda o: "0 engine pod(s)" in cond(o, "Progressing").get("message", ""),
+        still = wait_cache(cluster, "del", lambda o: "0 engine pod(s)" in condition(o, "Progressing").get("message", ""),
                            "waiting for the client alone", 30)
-        assert cond(still, "Progressing")["reason"] == "DeletionBlocked"
+        assert condition(still, "Progressing")["reason"] == "DeletionBlocked"
     finally:
         holder.kill()
     wait(lambda: get_wc(cluster, "del") is None, 60, "the cache to be deleted")

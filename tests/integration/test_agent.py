@@ -12,7 +12,8 @@ import urllib.request
 
 import pytest
 
-from procs import free_port, wait_until
+from cluster.procs import free_port
+from procs import wait_until
 from weightcache.agent import EXIT_MISMATCH, EXIT_TIMEOUT, MODEL_FIELDS, expected_fields
 from weightcache.client import fingerprint as fp
 from weightcache.client import query_status

@@ -11,7 +11,8 @@ import urllib.request
 
 import pytest
 
-from procs import free_port, wait_until
+from cluster.procs import free_port
+from procs import wait_until
 from weightcache.client import attach, list_sockets
 from weightcache.client.fingerprint import digest
 from weightcache.synthetic import write_model

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import free_port, wait_until
+from cluster.procs import free_port
+from procs import wait_until
 from weightcache.client import query_status
 from weightcache.client.attach import list_sockets
 from weightcache.client.spawn import spawn_daemon

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from procs import wait_until
-from weightcache.client import query_status
+from weightcache.client import attach, compare_with_disk, query_status
 from weightcache.client.attach import list_sockets
 from weightcache.synthetic import uniform_specs, write_model
 
@@ -219,3 +219,15 @@ def test_a_bad_mode_is_named_in_the_error(small_model, socket_dir):
 def test_every_subcommand_has_help(command):
     result = cli(command, "--help")
     assert result.returncode == 0 and "usage: weightcache" in result.stdout
+
+
+def test_a_socket_directory_longer_than_a_unix_socket_path_still_serves(small_model, socket_dir, daemons):
+    # /run/weightcache/<namespace>/<cache>/ plus a GPU UUID in the name passes the
+    # 107 bytes of sun_path on real nodes; both sides go through the directory's fd.
+    deep = socket_dir / ("d" * 60) / ("e" * 60)
+    daemons.start(small_model, deep, name="long")
+    [path] = list_sockets(deep)
+    assert len(str(path)) > 107
+    with attach(small_model, socket_dir=deep, cache_name="long") as attached:
+        assert compare_with_disk(attached.tensors, small_model) == []
+    assert query_status(path).cache_name == "long"

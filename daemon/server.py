@@ -6,6 +6,7 @@ Every failure is answered on that connection alone: the daemon keeps serving oth
 and nothing resident changes.
 """
 
+import errno
 import itertools
 import logging
 import os
@@ -34,8 +35,8 @@ class AccessPolicy:
     uids: frozenset[int]
     gids: frozenset[int] = frozenset()
 
-    def allows(self, uid: int, gid: int) -> bool:
-        return uid in self.uids or gid in self.gids
+    def allows(self, uid: int, gid: int, groups: tuple[int, ...] = ()) -> bool:
+        return uid in self.uids or gid in self.gids or not self.gids.isdisjoint(groups)
 
     def describe(self) -> str:
         return f"allowed uids {sorted(self.uids)}, gids {sorted(self.gids)}"
@@ -58,6 +59,27 @@ class ResidentCache:
     @property
     def resident_bytes(self) -> int:
         return sum(s.size for s in self.layout.slabs)
+
+
+# Linux's SO_PEERGROUPS (4.13+): the peer's supplementary groups at connect time. Python
+# does not name it. In Kubernetes a pod gets a group through supplementalGroups, which
+# SO_PEERCRED's single gid does not show.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_MAX_GROUPS = 65536
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary group ids, as the kernel recorded them."""
+    size = 64
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * size)
+        except OSError as exc:
+            if exc.errno != errno.ERANGE or size >= _MAX_GROUPS:
+                raise
+            size *= 16
+            continue
+        return struct.unpack(f"{len(raw) // 4}I", raw)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -123,10 +145,11 @@ class _Connection(socketserver.BaseRequestHandler):
     def _serve(self):
         sock = self.request
         pid, uid, gid = peer_credentials(sock)
+        groups = peer_groups(sock)
         self.peer = {"pid": pid, "uid": uid, "gid": gid}
-        if not self.server.access.allows(uid, gid):
+        if not self.server.access.allows(uid, gid, groups):
             self._refuse_unread(Error.PERMISSION_DENIED,
-                                f"peer uid {uid} gid {gid} is not allowed by this daemon "
+                                f"peer uid {uid} gid {gid} groups {list(groups)} is not allowed by this daemon "
                                 f"({self.server.access.describe()}); run the engine as an allowed user or start "
                                 "the daemon with --allow-uid/--allow-gid")
             return

@@ -55,6 +55,8 @@ def add_command(sub) -> None:
                                                                   f"(default {d.daemon_image})")
     p.add_argument("--agent-image", default=d.agent_image, help=f"image of the engine pods' agent sidecar "
                                                                 f"(default {d.agent_image})")
+    p.add_argument("--client-gid", type=int, default=d.client_gid,
+                   help=f"group engine pods are given and daemons admit on their sockets (default {d.client_gid})")
     p.add_argument("--poll-interval", type=float, default=2.0, metavar="SECONDS",
                    help="how often each cache's daemons are asked for their status (default 2)")
     p.add_argument("--print-peering-crds", action="store_true",
@@ -131,7 +133,7 @@ def run_command(args) -> int:
     except PeeringUnavailable as e:
         print(f"weightcache operator: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    defaults = Defaults(daemon_image=args.daemon_image, agent_image=args.agent_image)
+    defaults = Defaults(daemon_image=args.daemon_image, agent_image=args.agent_image, client_gid=args.client_gid)
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     registry = kopf.OperatorRegistry()
     register(registry, Reconciler(kube, defaults, emit=emit_event), kube, defaults, poll_interval=args.poll_interval)

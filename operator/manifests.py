@@ -36,6 +36,10 @@ class Defaults:
 
     daemon_image: str = f"weightcache-daemon:{__version__}"
     agent_image: str = f"weightcache-engine:{__version__}"
+    # The group engine pods get (supplementalGroups) and daemons admit (--socket-group,
+    # --allow-gid): engines run as any uid, and the daemon checks the kernel's word for
+    # the peer's groups (SO_PEERGROUPS) as well as the socket's file mode.
+    client_gid: int = 60100
 
 
 def socket_dir_for(namespace: str, name: str) -> str:
@@ -99,13 +103,14 @@ def device_args(spec: dict) -> list[str]:
     return [a for d in devices for a in ("--device", d)]
 
 
-def daemon_args(cache: dict) -> list[str]:
+def daemon_args(cache: dict, defaults: Defaults = Defaults()) -> list[str]:
     meta, spec = cache["metadata"], cache["spec"]
     parallelism = spec.get("parallelism") or {}
     return ["daemon", "--model", spec["model"]["path"], "--backend", spec.get("backend", "cuda-vmm"),
             "--socket-dir", socket_dir_for(meta["namespace"], meta["name"]), "--name", meta["name"],
             "--revision", spec["model"].get("revision", ""), "--tp-size", str(parallelism.get("tensor", 1)),
-            *device_args(spec), "--http-bind", f"$(POD_IP):{DAEMON_HTTP_PORT}"]
+            *device_args(spec), "--http-bind", f"$(POD_IP):{DAEMON_HTTP_PORT}",
+            "--socket-group", str(defaults.client_gid), "--allow-gid", str(defaults.client_gid)]
 
 
 def _env(spec: dict) -> list[dict]:
@@ -137,7 +142,7 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
     container = {
         "name": "daemon",
         "image": daemon.get("image") or defaults.daemon_image,
-        "args": daemon_args(cache),
+        "args": daemon_args(cache, defaults),
         "env": _env(spec),
         "ports": [{"name": "http", "containerPort": DAEMON_HTTP_PORT, "protocol": "TCP"}],
         # /readyz answers 200 once every device's socket is published; /healthz while the

@@ -144,6 +144,10 @@ def mutate_pod(pod: dict, cache: dict, defaults: Defaults = Defaults()) -> dict:
         # cpu backend pass over the Unix socket without them.
         spec["hostIPC"] = True
         spec["hostPID"] = True
+    security = spec.setdefault("securityContext", {})
+    groups = list(security.get("supplementalGroups") or [])
+    if defaults.client_gid not in groups:
+        security["supplementalGroups"] = groups + [defaults.client_gid]  # the daemon admits this group
     spec["affinity"] = _with_affinity(spec, node_label_key(meta["namespace"], name))
     annotations = out.setdefault("metadata", {}).setdefault("annotations", {})
     annotations[MUTATED_ANNOTATION] = name

@@ -223,10 +223,11 @@ def python_for_nobody() -> str:
     pytest.skip("no Python interpreter is executable by uid 65534")
 
 
-def status_as_nobody(sd, when="prompt") -> "wire.Response":
-    """Send a status request from a process running as uid/gid 65534; the daemon's answer."""
+def status_as_nobody(sd, when="prompt", groups=()) -> "wire.Response":
+    """Send a status request from a process running as uid/gid 65534 (with these
+    supplementary groups); the daemon's answer."""
     done = subprocess.run([python_for_nobody(), "-c", PEER_SCRIPT, str(the_socket(sd)), status_frame().hex(), when],
-                          user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True,
+                          user=NOBODY, group=NOBODY, extra_groups=list(groups), capture_output=True, text=True,
                           timeout=120, cwd="/")
     assert done.returncode == 0, done.stderr
     data = bytes.fromhex(done.stdout)
@@ -261,6 +262,20 @@ def test_peer_of_an_allowed_gid_gets_status(daemons, small_model, socket_dir):
     response = status_as_nobody(socket_dir)
     assert response.WhichOneof("kind") == "status", response
     assert response.status.cache_name == "test"
+    assert_good_client_attaches(socket_dir, small_model)
+
+
+CLIENTS_GID = 4242  # a group the kernel reports only as supplementary (SO_PEERGROUPS)
+
+
+@needs_root
+def test_peer_with_an_allowed_supplementary_group_gets_status(daemons, small_model, socket_dir):
+    # How a Kubernetes engine pod is let in: supplementalGroups, not its uid or primary gid.
+    # The socket's file mode admits group 65534 either way, so the daemon's check decides.
+    start_shared_with_nobody(daemons, small_model, socket_dir, extra=["--allow-gid", str(CLIENTS_GID)])
+    response = status_as_nobody(socket_dir, groups=[CLIENTS_GID])
+    assert response.WhichOneof("kind") == "status", response
+    assert_error(status_as_nobody(socket_dir, groups=[]), Error.PERMISSION_DENIED, f"uid {NOBODY}", "groups []")
     assert_good_client_attaches(socket_dir, small_model)
 
 

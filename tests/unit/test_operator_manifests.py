@@ -46,7 +46,8 @@ def test_one_owned_daemonset_with_the_contract_shape():
     assert c["name"] == "daemon" and c["image"] == "reg/weightcache-daemon:1"
     assert c["args"] == ["daemon", "--model", "/models/llama", "--backend", "cuda-vmm", "--socket-dir",
                          "/run/weightcache/ml/llama", "--name", "llama", "--revision", "abc", "--tp-size", "1",
-                         "--device", "all", "--http-bind", "$(POD_IP):9400"]
+                         "--device", "all", "--http-bind", "$(POD_IP):9400", "--socket-group", "60100",
+                         "--allow-gid", "60100"]
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"

@@ -135,3 +135,10 @@ def test_a_pod_of_another_namespace_is_refused():
     p["metadata"]["namespace"] = "other"
     with pytest.raises(MutationRefused, match="own namespace"):
         mutate_pod(p, cache(), D)
+
+
+def test_the_pod_joins_the_group_the_daemon_admits_keeping_its_own_groups():
+    mutated = mutate_pod(pod(securityContext={"runAsUser": 1000, "supplementalGroups": [7]}), cache(), D)
+    assert mutated["spec"]["securityContext"] == {"runAsUser": 1000, "supplementalGroups": [7, D.client_gid]}
+    assert mutate_pod(mutated, cache(), D)["spec"]["securityContext"]["supplementalGroups"] == [7, D.client_gid]
+    assert mutate_pod(pod(), cache(), D)["spec"]["securityContext"] == {"supplementalGroups": [D.client_gid]}

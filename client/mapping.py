@@ -85,10 +85,11 @@ def build_views(layout: "wire.Layout", slabs: list) -> dict:
 def _build_views(layout: "wire.Layout", slabs: list) -> dict:
     """Every tensor of the layout as a view on its slab, checked to stay inside it.
 
-    This is the whole per-tensor cost of attaching, and a Python call per tensor
-    (as_strided) is most of it. Tensors of one shape, stride and dtype that repeat at a
-    fixed distance in a slab (a transformer's layers) become ONE strided tensor unbound
-    into views in C++; the rest get one as_strided each.
+    This is the whole per-tensor cost of attaching, so the per-tensor work is only to
+    sort tensors into groups of one slab, dtype, shape, strides and size; each group is
+    checked once (its extent) and by its extreme offsets. Tensors of a group that repeat
+    at a fixed distance (a transformer's layers) become ONE strided tensor unbound into
+    views in C++; the rest get one as_strided each.
     """
     t = layout.tensors
     names, dtypes, slab_of, offsets, nbytes, ndims = (list(t.name), list(t.dtype), list(t.slab), list(t.offset),
@@ -98,29 +99,16 @@ def _build_views(layout: "wire.Layout", slabs: list) -> dict:
     if any(len(column) != count for column in (dtypes, slab_of, offsets, nbytes, ndims)) \
             or len(shapes) != sum(ndims) or len(strides) != len(shapes):
         raise ProtocolError("the layout's tensor table has columns of different lengths")
-    sizes = [slab.numel() for slab in slabs]
-    groups: dict[tuple, list] = {}  # (slab, dtype, shape, stride) -> [(element offset, name)]
+    groups: dict[tuple, list] = {}  # (slab, dtype, shape, strides, nbytes) -> [(byte offset, name)]
     pos = 0
     for i in range(count):
-        name, dtype_name, index, offset, size, ndim = names[i], dtypes[i], slab_of[i], offsets[i], nbytes[i], ndims[i]
-        shape, stride = tuple(shapes[pos:pos + ndim]), tuple(strides[pos:pos + ndim])
-        pos += ndim
-        dtype = DTYPES.get(dtype_name)
-        if dtype is None or index >= len(slabs):
-            raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r} or slab {index}")
-        itemsize = dtype.itemsize
-        if offset + size > sizes[index] or size % itemsize or offset % itemsize:
-            raise ProtocolError(f"tensor {name!r}: bytes {offset}+{size} do not fit slab {index}")
-        extent = 1
-        for d, s in zip(shape, stride):
-            if d < 0 or s < 0:
-                extent = -1
-                break
-            extent = 0 if d == 0 or extent == 0 else extent + (d - 1) * s
-        if extent < 0 or extent * itemsize > size:
-            raise ProtocolError(f"tensor {name!r}: shape {list(shape)} strides {list(stride)} do not fit its "
-                                f"{size} bytes")
-        groups.setdefault((index, dtype_name, shape, stride), []).append((offset // itemsize, name))
+        end = pos + ndims[i]
+        key = (slab_of[i], dtypes[i], tuple(shapes[pos:end]), tuple(strides[pos:end]), nbytes[i])
+        pos = end
+        groups.setdefault(key, []).append((offsets[i], names[i]))
+    sizes = [slab.numel() for slab in slabs]
+    for key, members in groups.items():
+        _check_group(key, members, sizes)
     tensors, typed = {}, {}
     _views_by_group(groups, slabs, sizes, typed, tensors)
     if len(tensors) != count:
@@ -128,10 +116,32 @@ def _build_views(layout: "wire.Layout", slabs: list) -> dict:
     return tensors
 
 
+def _check_group(key: tuple, members: list, sizes: list) -> None:
+    """Every tensor of one group lies inside its slab, aligned, within its own bytes."""
+    index, dtype_name, shape, stride, size = key
+    dtype = DTYPES.get(dtype_name)
+    if dtype is None or index >= len(sizes):
+        raise ProtocolError(f"tensor {members[0][1]!r}: unknown dtype {dtype_name!r} or slab {index}")
+    itemsize = dtype.itemsize
+    extent = 1
+    for d, s in zip(shape, stride):
+        if d < 0 or s < 0:
+            extent = -1
+            break
+        extent = 0 if d == 0 or extent == 0 else extent + (d - 1) * s
+    if extent < 0 or extent * itemsize > size or size % itemsize:
+        raise ProtocolError(f"tensor {members[0][1]!r}: shape {list(shape)} strides {list(stride)} do not fit its "
+                            f"{size} bytes")
+    last = max(offset for offset, _ in members)
+    if last + size > sizes[index] or any(offset % itemsize for offset, _ in members):
+        offset, name = next((o, n) for o, n in members if o + size > sizes[index] or o % itemsize)
+        raise ProtocolError(f"tensor {name!r}: bytes {offset}+{size} do not fit slab {index}")
+
+
 def _views_by_group(groups: dict, slabs: list, sizes: list, typed: dict, tensors: dict) -> None:
-    for (index, dtype_name, shape, stride), members in groups.items():
+    for (index, dtype_name, shape, stride, _), members in groups.items():
+        itemsize = DTYPES[dtype_name].itemsize
         if (index, dtype_name) not in typed:
-            itemsize = DTYPES[dtype_name].itemsize
             whole = sizes[index] - sizes[index] % itemsize
             base = slabs[index].narrow(0, 0, whole).view(torch_dtype(dtype_name))
             # as_strided counts from the start of the storage, and a slab may be a view
@@ -139,6 +149,7 @@ def _views_by_group(groups: dict, slabs: list, sizes: list, typed: dict, tensors
             typed[(index, dtype_name)] = (base, base.storage_offset())
         base, start = typed[(index, dtype_name)]
         for first, step, run in evenly_spaced_runs(sorted(members)):
+            first, step = first // itemsize, step // itemsize
             if len(run) == 1:
                 tensors[run[0]] = base.as_strided(shape, stride, start + first)
             else:

@@ -26,6 +26,8 @@ from weightcache.client.protocol import (MAX_REQUEST_BYTES, PROTOCOL_VERSION, er
 log = logging.getLogger("weightcache.daemon")
 Error = wire.Error
 _PEERCRED = struct.Struct("3i")
+# What a successor sends on the handoff connection once its socket is published.
+HANDOFF_DONE = b"\x01"
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class CacheServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         self._clients: dict[int, dict] = {}
         self._clients_lock = threading.Lock()
         self._ids = itertools.count(1)
+        # Set once a successor that took the slabs over has published its socket.
+        self.handed_off = threading.Event()
         super().__init__(path, _Connection)
 
     @property
@@ -173,8 +177,20 @@ class _Connection(socketserver.BaseRequestHandler):
             self._send(wire.Response(protocol_version=PROTOCOL_VERSION, status=self.server.status()))
         elif kind == "attach":
             self._attach(req)
+        elif kind == "handoff":
+            self._handoff(req)
         else:
-            self._refuse(Error.BAD_REQUEST, "the request names no action (attach or status)")
+            self._refuse(Error.BAD_REQUEST, "the request names no action (attach, status or handoff)")
+
+    def _attached(self) -> "wire.Response":
+        cache = self.server.cache
+        response = wire.Response(protocol_version=PROTOCOL_VERSION)
+        att = response.attached
+        att.cache_name, att.backend, att.device = cache.name, cache.backend, cache.device
+        att.fingerprint.CopyFrom(cache.fingerprint)
+        att.layout.CopyFrom(cache.layout)
+        att.resident_bytes = cache.resident_bytes
+        return response
 
     def _attach(self, req):
         cache = self.server.cache
@@ -183,13 +199,7 @@ class _Connection(socketserver.BaseRequestHandler):
             self._refuse(Error.FINGERPRINT_MISMATCH,
                          "fingerprint mismatch: " + ", ".join(m[0] for m in mismatches), mismatches)
             return
-        response = wire.Response(protocol_version=PROTOCOL_VERSION)
-        att = response.attached
-        att.cache_name, att.backend, att.device = cache.name, cache.backend, cache.device
-        att.fingerprint.CopyFrom(cache.fingerprint)
-        att.layout.CopyFrom(cache.layout)
-        att.resident_bytes = cache.resident_bytes
-        if not self._send(response, cache.slab_fds):
+        if not self._send(self._attached(), cache.slab_fds):
             return
         client_id = self.server.register({**self.peer, "name": req.client_name})
         log.debug("engine attached", extra={"fields": {**self.peer, "client": req.client_name,
@@ -200,6 +210,31 @@ class _Connection(socketserver.BaseRequestHandler):
             self.server.unregister(client_id)
             log.debug("engine detached", extra={"fields": {**self.peer, "client": req.client_name,
                                                            "attached": self.server.attached_clients}})
+
+    def _handoff(self, req):
+        """Give a successor daemon the slabs; stop once it has published and hung up."""
+        cache = self.server.cache
+        if self.peer["uid"] not in (os.geteuid(), 0):
+            self._refuse(Error.PERMISSION_DENIED, f"only a daemon of uid {os.geteuid()} may take this cache over; "
+                                                  f"peer uid {self.peer['uid']}")
+            return
+        if not cache.slab_fds:
+            self._refuse(Error.BAD_REQUEST, f"the {cache.backend} backend's memory lives and dies with this process "
+                                            "(legacy CUDA IPC handles): it cannot be handed over; load anew")
+            return
+        if not self._send(self._attached(), cache.slab_fds):
+            return
+        log.info("handing over", extra={"fields": {**self.peer, "client": req.client_name}})
+        sock = self.request
+        sock.settimeout(None)
+        try:
+            published = sock.recv(1) == HANDOFF_DONE
+        except OSError:
+            published = False
+        if published:
+            self.server.handed_off.set()
+        else:  # the successor died or gave up: nothing changes here
+            log.warning("successor left without taking over; still serving", extra={"fields": self.peer})
 
     def _hold(self):
         """Block until the engine goes; anything it sends meanwhile is read and dropped."""

@@ -19,7 +19,9 @@ from weightcache.client import fingerprint as fp
 from weightcache.client.errors import CheckpointError, UnsupportedQuantization
 from weightcache.signals import stop_on_signal
 from weightcache.client.spawn import EXIT_ALREADY_SERVED
-from weightcache.client.protocol import check_cache_name, reachable, socket_name
+from weightcache.client import wire_pb2 as wire
+from weightcache.client.attach import list_sockets, request
+from weightcache.client.protocol import PROTOCOL_VERSION, check_cache_name, reachable, socket_name
 
 from .backends import canonical_devices, make_backend
 from .checkpoint import read_checkpoint
@@ -27,7 +29,7 @@ from .health import DaemonState, serve_http
 from .layout import DEFAULT_MAX_SLAB_BYTES, plan_slabs, to_wire
 from .loader import fill_slabs
 from .sharding import plan_for, shard
-from .server import AccessPolicy, CacheServer, ResidentCache
+from .server import HANDOFF_DONE, AccessPolicy, CacheServer, ResidentCache
 
 log = logging.getLogger("weightcache.daemon")
 
@@ -55,6 +57,7 @@ class DaemonConfig:
     max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES
     load_workers: int = 16
     http_bind: tuple[str, int] | None = None  # health, readiness, metrics and status over HTTP
+    take_over: bool = False  # a live daemon of this cache: take its slabs over instead of exiting
 
 
 def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
@@ -78,19 +81,23 @@ def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
                                   "of its own (mode 0700, or 0750 with --socket-group)") from None
 
 
-def claim(socket_dir: pathlib.Path, name: str, device: str) -> int:
+def claim(socket_dir: pathlib.Path, name: str, device: str, *, after_handoff: bool = False) -> int:
     """Hold the (cache, device) lock for the daemon's lifetime; the kernel drops it when
-    the process dies, however it dies, so a crashed daemon never blocks its successor."""
+    the process dies, however it dies, so a crashed daemon never blocks its successor.
+
+    after_handoff: this daemon already serves the predecessor's slabs on its own socket;
+    wait for the predecessor to exit, and keep the sockets."""
     lock_path = socket_dir / f".{name}__{device}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if after_handoff else fcntl.LOCK_NB))
     except BlockingIOError:
         os.close(fd)
         raise AlreadyServed(f"another daemon already serves cache {name!r} on {device} (lock {lock_path})") from None
-    # We hold the lock, so any socket of this cache and device is a dead daemon's.
-    for entry in socket_dir.glob(f"{name}__{device}__*.sock"):
-        entry.unlink(missing_ok=True)
+    if not after_handoff:
+        # We hold the lock, so any socket of this cache and device is a dead daemon's.
+        for entry in socket_dir.glob(f"{name}__{device}__*.sock"):
+            entry.unlink(missing_ok=True)
     return fd
 
 
@@ -148,6 +155,7 @@ def publish(config: DaemonConfig, cache: ResidentCache) -> tuple[CacheServer, pa
     if config.socket_group is not None:
         os.chown(temporary, -1, config.socket_group)
     os.rename(temporary, final)
+    server.published_inode = os.stat(final).st_ino  # a successor's socket may replace it later
     return server, final
 
 
@@ -163,21 +171,71 @@ def failure_reason(exc: BaseException, model_dir: pathlib.Path) -> str:
     return "LoadFailed"
 
 
-def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonState) -> list:
+class _HeldFd:
+    """A slab handle taken over from a predecessor: this daemon only passes it on."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def take_over(config: DaemonConfig, device: str, state: DaemonState):
+    """The live predecessor's slabs for this device, over its socket: (cache, slabs, the
+    connection to answer once this daemon's socket is published). Nothing is read from disk."""
+    paths = list_sockets(config.socket_dir, config.name, device)
+    if not paths:
+        raise AlreadyServed(f"cache {config.name!r} on {device} is locked by a daemon that serves no socket to "
+                            "take over from")
+    req = wire.Request(protocol_version=PROTOCOL_VERSION, client_name=f"successor-pid-{os.getpid()}")
+    req.handoff.SetInParent()
+    sock, response, fds = request(paths[0], req, timeout=config.handshake_timeout, accept_fds=True)
+    att = response.attached
+    if att.backend != config.backend:
+        sock.close()
+        raise ValueError(f"the running daemon serves backend {att.backend}; this one was started for {config.backend}")
+    cache = ResidentCache(name=config.name, backend=att.backend, device=att.device, fingerprint=att.fingerprint,
+                          layout=att.layout, slab_fds=fds, model_path=str(config.model_dir), load_s=0.0)
+    state.expect(0)
+    log.info("taken over", extra={"fields": {"from": str(paths[0]), "bytes": cache.resident_bytes,
+                                             "slabs": len(fds), "device": device}})
+    return cache, [_HeldFd(fd) for fd in fds], sock
+
+
+def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonState, handed: set[str]) -> list:
     """Load every device in parallel (each in its own thread: a CUDA context is current
-    per thread), then publish their sockets. Returns (cache, server, path, slabs) each."""
+    per thread), or take it over from a live predecessor where `handed` names it; then
+    publish their sockets. Returns (cache, server, path, slabs, handoff connection) each."""
     parallels = ranks_for(config.parallel, len(devices))
 
     def one(device: str, parallel: fp.Parallelism):
-        return load(config, make_backend(config.backend, device), parallel, state)
+        if device in handed:
+            return take_over(config, device, state)
+        return (*load(config, make_backend(config.backend, device), parallel, state), None)
 
     with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="device") as pool:
         loaded = list(pool.map(one, devices, parallels))
     served = []
-    for cache, slabs in loaded:
+    for cache, slabs, handoff in loaded:
         server, path = publish(config, cache)
-        served.append((cache, server, path, slabs))
+        served.append((cache, server, path, slabs, handoff))
     return served
+
+
+def _stop_once_handed_off(servers: list, stop: threading.Event) -> None:
+    """A successor took every device over: this daemon's work is done."""
+    for server in servers:
+        server.handed_off.wait()
+    log.info("handed over", extra={"fields": {"devices": len(servers)}})
+    stop.set()
+
+
+def _still_ours(path: pathlib.Path, server) -> bool:
+    try:
+        return os.stat(path).st_ino == server.published_inode
+    except FileNotFoundError:
+        return False
 
 
 def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
@@ -193,17 +251,19 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     check_cache_name(config.name)
     devices = canonical_devices(config.backend, config.devices)
     prepare_socket_dir(config.socket_dir, config.socket_group)
-    locks = []
-    try:
-        for device in devices:
+    locks, handed = [], set()
+    for device in devices:
+        try:
             locks.append(claim(config.socket_dir, config.name, device))
-    except AlreadyServed as exc:
-        log.error(str(exc))
-        return EXIT_ALREADY_SERVED
+        except AlreadyServed as exc:
+            if not config.take_over:
+                log.error(str(exc))
+                return EXIT_ALREADY_SERVED
+            handed.add(device)
     state = DaemonState(cache=config.name, backend=config.backend, model=str(config.model_dir))
     http = serve_http(*config.http_bind, state) if config.http_bind else None
     try:
-        served = load_and_publish(config, devices, state)
+        served = load_and_publish(config, devices, state, handed)
     except Exception as exc:
         if http is None:
             raise
@@ -213,21 +273,29 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
         stop.wait()
         http.shutdown()
         return 1
-    for cache, server, path, _ in served:
+    for cache, server, path, _, _ in served:
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
         log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
                                             "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
                                             "load_s": round(cache.load_s, 3)}})
+    for device, (*_, handoff) in zip(devices, served):
+        if handoff is not None:  # our socket serves: the predecessor may go, and leaves us its lock
+            handoff.sendall(HANDOFF_DONE)
+            handoff.close()
+            locks.append(claim(config.socket_dir, config.name, device, after_handoff=True))
     stop = stop_on_signal()
-    state.ready([(cache, server, path) for cache, server, path, _ in served])
+    servers = [server for _, server, *_ in served]
+    threading.Thread(target=_stop_once_handed_off, args=(servers, stop), name="handoff", daemon=True).start()
+    state.ready([(cache, server, path) for cache, server, path, *_ in served])
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
     stop.wait()
     started = time.monotonic()
     attached = 0
-    for cache, server, path, slabs in served:
-        path.unlink(missing_ok=True)
+    for cache, server, path, slabs, _ in served:
+        if _still_ours(path, server):
+            path.unlink(missing_ok=True)
         server.shutdown()
         server.server_close()
         attached += server.attached_clients

@@ -16,15 +16,13 @@ weight path is timed. Prints a table and writes JSON under bench/results/.
 
 import argparse
 import datetime
-import json
 import pathlib
 import platform
 import signal
 import sys
 import tempfile
-import time
 
-from harness import drop_page_cache, print_table, repeat, run_child
+from harness import drop_page_cache, print_table, repeat, run_child, write_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -146,9 +144,7 @@ def main() -> int:
         "results": results,
         "ratios_vs_attach": {k: v["median_ms"] / attach_ms for k, v in results.items()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"attach_cpu-{time.strftime('%Y%m%d')}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_report(args.out, "attach_cpu-{date}", report)
 
     print(f"\n{args.tensors} tensors, {status.resident_bytes / (1 << 30):.2f} GiB, median of {args.repeats} fresh processes")
     print_table(results, "weightcache_attach", "attach")

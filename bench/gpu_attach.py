@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 
-from harness import drop_page_cache, print_table, repeat, run_child
+from harness import drop_page_cache, print_table, repeat, run_child, write_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -237,9 +237,7 @@ def main() -> int:
             "daemon_cold_load_share_of_disk_rate": loads["daemon_cold_load"]["gb_per_s"] / loads["disk_read"]["gb_per_s"],
         },
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"gpu_attach-{time.strftime('%Y%m%d')}-{args.gib:g}gib.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_report(args.out, f"gpu_attach-{{date}}-{args.gib:g}gib", report)
 
     print(f"\n{report['device']}; {args.tensors} tensors, {status.resident_bytes / 1e9:.1f} GB bf16")
     print_table(results, "attach_cuda_vmm", "vmm attach")

@@ -9,6 +9,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 
 
 def run_child(code: str, work: pathlib.Path, *args, timeout: float = 900, phases: list | None = None) -> float:
@@ -30,6 +31,14 @@ def run_child(code: str, work: pathlib.Path, *args, timeout: float = 900, phases
             if phases is not None:
                 phases.append(json.loads(line.removeprefix("phases ")))
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def write_report(out_dir: pathlib.Path, name: str, report: dict) -> pathlib.Path:
+    """The run's JSON as bench/results/<name>-<date>.json (or under out_dir)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"{name.replace('{date}', time.strftime('%Y%m%d'))}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
 
 
 def repeat(label: str, n: int, fn) -> dict:

@@ -11,10 +11,23 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 from weightcache.client.spawn import spawn_daemon
 
 ENGINE = pathlib.Path(__file__).with_name("engine_proc.py")
+
+
+def http_json(url: str, body: bytes | None = None, method: str | None = None, headers=None,
+              timeout: float = 60) -> tuple[int, dict]:
+    """(status, JSON body) of one HTTP request; error statuses are answers too."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):

@@ -7,26 +7,16 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
 from cluster.procs import free_port
-from procs import wait_until
+from procs import http_json, wait_until
 from weightcache.agent import EXIT_MISMATCH, EXIT_TIMEOUT, MODEL_FIELDS, expected_fields
 from weightcache.client import fingerprint as fp
 from weightcache.client import query_status
 from weightcache.client.attach import list_sockets
 from weightcache.synthetic import write_model
-
-
-def get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 class Agent:
@@ -46,7 +36,7 @@ class Agent:
     def get(self, route: str) -> tuple[int | None, dict | None]:
         """(status, JSON) of a GET; (None, None) while the agent is not listening yet."""
         try:
-            return get(self.url + route)
+            return http_json(self.url + route, timeout=10)
         except OSError:
             assert self.proc.poll() is None, f"agent exited {self.proc.returncode}: {self.err.read_text()}"
             return None, None
@@ -110,7 +100,7 @@ def test_agent_gates_until_the_daemon_answers_then_reports_it(small_model, socke
     report = tmp_path / "engine.json"
     agent = agents(socket_dir, small_model, "--report-file", report)
     wait_until(agent.serving, 30, "agent serving /healthz")
-    status, doc = get(agent.url + "/ready")
+    status, doc = http_json(agent.url + "/ready", timeout=10)
     assert status == 503 and doc["reason"] == "NoSocket" and "no socket of cache test" in doc["message"]
     assert doc["engine"] is None
 
@@ -123,7 +113,7 @@ def test_agent_gates_until_the_daemon_answers_then_reports_it(small_model, socke
     engine = engines(small_model, socket_dir, mode="client", fallback="error", cache_name="test", revision="r1",
                      report_file=report)
     assert engine.hello["source"] == "cache"
-    doc = wait_until(lambda: (lambda d: d if d["attached_clients"] == 1 else None)(get(agent.url + "/status")[1]),
+    doc = wait_until(lambda: (lambda d: d if d["attached_clients"] == 1 else None)(http_json(agent.url + "/status", timeout=10)[1]),
                      10, "the engine counted as attached")
     assert doc["engine"]["source"] == "cache" and doc["engine"]["pid"] == engine.hello["pid"]
     assert doc["engine"]["fingerprint"] == doc["daemon"]["fingerprint"]
@@ -176,12 +166,12 @@ def test_agent_turns_unready_when_the_daemon_dies_and_ready_after_a_restart(smal
     def settled_unready():
         # A check racing the kill may see the connection reset first; then the dead
         # daemon's socket file refuses connections, which is what the agent must say.
-        status, doc = get(agent.url + "/ready")
+        status, doc = http_json(agent.url + "/ready", timeout=10)
         return doc if status == 503 and "stale socket" in doc["message"] else None
     doc = wait_until(settled_unready, 10, "agent unready after the daemon's SIGKILL, naming the stale socket")
     assert doc["reason"] == "NoDaemonAnswered"
     assert doc["ready_since"] is None and doc["daemon"] is None
-    assert get(agent.url + "/status")[1]["reason"] == "NoDaemonAnswered"
+    assert http_json(agent.url + "/status", timeout=10)[1]["reason"] == "NoDaemonAnswered"
     assert agent.proc.poll() is None  # it reports; it does not exit
 
     second = daemons.start(small_model, socket_dir, extra=["--revision", "r1"])
@@ -212,7 +202,7 @@ def test_an_unreadable_engine_report_is_said_not_hidden(small_model, socket_dir,
     report.write_text("{not json")
     agent = agents(socket_dir, small_model, "--report-file", report)
     wait_until(agent.serving, 30, "agent serving")
-    doc = get(agent.url + "/status")[1]
+    doc = http_json(agent.url + "/status", timeout=10)[1]
     assert doc["engine"] is None and str(report) in doc["engine_report_error"]
 
 

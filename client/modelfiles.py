@@ -59,13 +59,17 @@ def checkpoint_files(model_dir: pathlib.Path) -> tuple[list[pathlib.Path], dict[
                 raise TypeError("weight_map is not an object")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from None
-        # Few distinct shards name many tensors: check each name once (values may be any JSON).
-        distinct = {json.dumps(f, sort_keys=True): f for f in weight_map.values()}.values()
+        # Few distinct shards name many tensors: check each name once. A value that is
+        # not a string (any JSON may appear) is refused by _safe_shard_name.
+        try:
+            distinct = set(weight_map.values())
+        except TypeError:  # a list or an object: unhashable, and no file name either
+            distinct = [next(f for f in weight_map.values() if not isinstance(f, str))]
         files = sorted(_safe_shard_name(model_dir, f, str(index_path)) for f in distinct)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index_path}: shard(s) missing from {model_dir}: {', '.join(missing)}")
-        return files, {str(k): v for k, v in weight_map.items()}
+        return files, weight_map  # JSON object keys are always strings
     files = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors files and no {INDEX_FILE}")

@@ -1,9 +1,13 @@
 """What the daemon serves on a real GPU beyond plain bf16: block-wise FP8 weights with
 their scales, the packaged small model's forward pass, and one daemon for every GPU of
-the machine (one socket per GPU UUID, reported over HTTP)."""
+the machine (one socket per GPU UUID, reported over HTTP), found by UUID whatever
+CUDA_VISIBLE_DEVICES says."""
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -77,3 +81,28 @@ def test_one_daemon_serves_every_gpu_with_a_socket_per_uuid(small_model, socket_
     for uuid in uuids:
         with attach(small_model, socket_dir=socket_dir, device=uuid) as attached:
             assert compare_with_disk(attached.tensors, small_model) == []
+
+
+ENGINE_BY_UUID = """
+import sys, torch
+from weightcache.client import attach, compare_with_disk, gpu
+model, sockets, uuid = sys.argv[1:]
+with attach(model, socket_dir=sockets, device=uuid) as attached:
+    assert compare_with_disk(attached.tensors, model) == []
+    print(attached.tensors[next(iter(attached.tensors))].device.index, gpu.ordinal_for(uuid))
+"""
+
+
+def test_cuda_visible_devices_remapping_does_not_matter(small_model, socket_dir, daemons):
+    """An engine names its GPU by UUID; whichever ordinal CUDA_VISIBLE_DEVICES gives that
+    GPU in the engine's process (reversed order, the UUID itself), it maps that GPU's slabs."""
+    daemons.start(small_model, socket_dir, extra=["--backend", "cuda-vmm", "--device", "all"])
+    uuids = gpu.visible_uuids()
+    reversed_order = ",".join(str(i) for i in reversed(range(len(uuids))))
+    for position, uuid in enumerate(uuids):
+        for visible, ordinal in ((reversed_order, len(uuids) - 1 - position), (uuid, 0)):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible}
+            run = subprocess.run([sys.executable, "-c", ENGINE_BY_UUID, str(small_model), str(socket_dir), uuid],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert run.stdout.split() == [str(ordinal), str(ordinal)], (visible, uuid, run.stdout)

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the package metadata changed.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test unit integration bench-cpu proto install
+.PHONY: demo test unit integration bench-cpu proto install e2e e2e-kind
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,13 @@ proto: $(STAMP)
 
 bench-cpu: $(STAMP)
 	$(PY) bench/attach_cpu.py
+
+# The end-to-end suite (e2e/README.md): against the test control plane (what CI runs),
+# or on a kind cluster with freshly built images (needs Docker and kind).
+e2e: $(STAMP) cluster-build
+	PY=$(PY) bash e2e/local.sh $(E2E_ARGS)
+
+e2e-kind: $(STAMP)
+	PY=$(PY) bash e2e/kind.sh $(E2E_ARGS)
 
 -include tests/cluster/cluster.mk

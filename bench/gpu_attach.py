@@ -17,7 +17,6 @@ Needs root for /proc/sys/vm/drop_caches. Prints a table, writes JSON to --out.
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import platform
 import signal
@@ -25,10 +24,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from harness import drop_page_cache, print_table, repeat, run_child, write_report
+from harness import disk_read_rate, drop_page_cache, print_table, repeat, run_child, write_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -91,36 +89,6 @@ if __name__ == "__main__":
     p.join()
     print(ms)
 """
-
-
-def disk_read_rate(files, workers: int) -> dict:
-    """Every file read once, cold cache, 64 MiB reads: one stream, and `workers` threads
-    over 64 MiB chunks as the daemon's loader reads. The faster is the ceiling."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    chunk = 64 << 20
-    jobs = [(path, offset) for path in files for offset in range(0, path.stat().st_size, chunk)]
-    total = sum(path.stat().st_size for path in files)
-    buffers = threading.local()
-
-    def read(job):
-        path, offset = job
-        if not hasattr(buffers, "view"):
-            buffers.view = memoryview(bytearray(chunk))
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            return os.preadv(fd, [buffers.view], offset)
-        finally:
-            os.close(fd)
-
-    rates = {}
-    for label, threads in (("one_stream", 1), (f"{workers}_threads", workers)):
-        drop_page_cache()
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            assert sum(pool.map(read, jobs)) == total
-        rates[label] = total / (time.perf_counter() - start) / 1e9
-    return {"bytes": total, "gb_per_s_by_readers": rates, "gb_per_s": max(rates.values())}
 
 
 def write_checkpoint(model_dir: pathlib.Path, tensors: int, gib: float, shards: int) -> None:

@@ -2,17 +2,50 @@
 
 import pathlib
 
-from .modelfiles import checkpoint_files
+from .errors import CheckpointError
+from .fingerprint import Parallelism
+from .modelfiles import checkpoint_files, read_config
+from .tp_plan import plan_for, shard_bounds, shard_dim
 
 
-def load_from_disk(model_dir, device: str = "cpu") -> dict:
-    """Every tensor of the model's safetensors files, as safetensors.torch loads them."""
+def load_from_disk(model_dir, device: str = "cpu", parallel: Parallelism = Parallelism(), tp_plan=None) -> dict:
+    """Every tensor of the model's safetensors files, as safetensors.torch loads them.
+
+    With tp_size > 1, this rank's shard of each tensor, cut by the same plan the daemon
+    uses (tp_plan: a plan file; default: the config's base_model_tp_plan); only the
+    shard's bytes are read."""
     from safetensors.torch import load_file
 
+    model_dir = pathlib.Path(model_dir)
+    files, _ = checkpoint_files(model_dir)
+    if parallel.tp_size == 1:
+        tensors = {}
+        for path in files:
+            tensors.update(load_file(path, device=device))
+        return tensors
+    plan = plan_for(read_config(model_dir), tp_plan)
+    if plan is None:
+        raise CheckpointError(f"{model_dir}: tensor parallel size {parallel.tp_size} needs a plan: the config has "
+                              "no base_model_tp_plan; pass tp_plan (a JSON file of module pattern -> style)")
+    return _load_shard(files, plan, parallel, device)
+
+
+def _load_shard(files, plan, parallel: Parallelism, device: str) -> dict:
+    from safetensors import safe_open
+
     tensors = {}
-    files, _ = checkpoint_files(pathlib.Path(model_dir))
     for path in files:
-        tensors.update(load_file(path, device=device))
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                shape = part.get_shape()
+                dim = shard_dim(plan, name, len(shape))
+                if dim is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    start, stop = shard_bounds(name, shape, dim, parallel.tp_size, parallel.tp_rank)
+                    tensor = part[(slice(None),) * dim + (slice(start, stop),)]
+                tensors[name] = tensor.to(device)
     return tensors
 
 

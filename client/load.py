@@ -154,7 +154,8 @@ def write_report(path, loaded: "LoadedWeights") -> None:
 
 def _from_disk(model_dir, settings, reason) -> LoadedWeights:
     start = time.perf_counter()
-    tensors = load_from_disk(model_dir)
+    # A tensor-parallel engine gets its own shard, as it would from its rank's cache.
+    tensors = load_from_disk(model_dir, parallel=Parallelism(tp_size=settings.tp_size, tp_rank=settings.tp_rank))
     ms = (time.perf_counter() - start) * 1e3
     log.info("loaded from disk", extra={"fields": {"reason": reason, "ms": round(ms)}})
     return LoadedWeights(tensors, "disk", reason, load_ms=round(ms, 3))

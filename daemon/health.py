@@ -22,6 +22,9 @@ from weightcache.client import fingerprint as fp
 log = logging.getLogger("weightcache.daemon")
 
 LOADING, READY, FAILED = "loading", "ready", "failed"
+# A daemon that handed its slabs to a successor and waits to be stopped (its pod deleted):
+# alive, but it serves nothing.
+HANDED_OVER = "handed-over"
 
 
 @dataclass
@@ -46,10 +49,20 @@ class DaemonState:
         with self._lock:
             self.loaded_bytes += nbytes
 
+    def note(self, reason: str, message: str) -> None:
+        """Why a daemon that is not ready yet is waiting (e.g. TakingOver)."""
+        with self._lock:
+            self.reason, self.message = reason, message
+
     def ready(self, served: list) -> None:
         with self._lock:
             self._served = list(served)
-            self.state = READY
+            self.state, self.reason, self.message = READY, "", ""
+
+    def handed_over(self, message: str) -> None:
+        with self._lock:
+            self._served = []
+            self.state, self.reason, self.message = HANDED_OVER, "HandedOver", message
 
     def fail(self, reason: str, message: str) -> None:
         with self._lock:
@@ -63,7 +76,9 @@ class DaemonState:
             remaining = self.total_bytes - self.loaded_bytes
             devices = [{"device": cache.device, "socket": str(path), "fingerprint": fp.digest(cache.fingerprint),
                         "fingerprint_fields": fp.fields(cache.fingerprint), "resident_bytes": cache.resident_bytes,
-                        "tensors": len(cache.layout.tensors.name), "attached_clients": server.attached_clients}
+                        "tensors": len(cache.layout.tensors.name), "attached_clients": server.attached_clients,
+                        # 0 when the slabs were taken over from a predecessor: no cold load
+                        "load_s": round(cache.load_s, 3)}
                        for cache, server, path in self._served]
             return {
                 "cache": self.cache, "state": self.state, "reason": self.reason, "message": self.message,
@@ -94,10 +109,13 @@ class StateCollector:
         total.add_metric([doc["cache"]], doc["progress"]["total_bytes"])
         resident = GaugeMetricFamily("weightcache_resident_bytes", "bytes held in slabs", labels=labels)
         clients = GaugeMetricFamily("weightcache_attached_clients", "engines attached now", labels=labels)
+        load_s = GaugeMetricFamily("weightcache_load_seconds", "seconds the slabs took to load from disk; 0 when "
+                                   "taken over from a predecessor daemon", labels=labels)
         for d in doc["devices"]:
             resident.add_metric([doc["cache"], d["device"]], d["resident_bytes"])
             clients.add_metric([doc["cache"], d["device"]], d["attached_clients"])
-        yield from (ready, failed, loaded, total, resident, clients)
+            load_s.add_metric([doc["cache"], d["device"]], d["load_s"])
+        yield from (ready, failed, loaded, total, resident, clients, load_s)
 
 
 def serve_http(host: str, port: int, state: DaemonState) -> ThreadingHTTPServer:

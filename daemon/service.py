@@ -6,9 +6,11 @@ clients treat only a successful handshake as ready.
 """
 
 import fcntl
+import hashlib
 import logging
 import os
 import pathlib
+import socket
 import stat
 import threading
 import time
@@ -16,26 +18,31 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from weightcache.client import fingerprint as fp
-from weightcache.client.errors import CheckpointError, UnsupportedQuantization
+from weightcache.client.errors import CheckpointError, ProtocolError, UnsupportedQuantization
 from weightcache.signals import stop_on_signal
 from weightcache.client.spawn import EXIT_ALREADY_SERVED
-from weightcache.client import wire_pb2 as wire
-from weightcache.client.attach import list_sockets, request
-from weightcache.client.protocol import PROTOCOL_VERSION, check_cache_name, reachable, socket_name
+from weightcache.client.attach import list_sockets, query_status
+from weightcache.client.protocol import check_cache_name, reachable, socket_name
+from weightcache.client.tp_plan import plan_for
 
 from .backends import canonical_devices, make_backend
 from .checkpoint import read_checkpoint
 from .health import DaemonState, serve_http
 from .layout import DEFAULT_MAX_SLAB_BYTES, plan_slabs, to_wire
 from .loader import fill_slabs
-from .sharding import plan_for, shard
-from .server import HANDOFF_DONE, AccessPolicy, CacheServer, ResidentCache
+from .sharding import shard
+from .server import AccessPolicy, CacheServer, ResidentCache
+from .succession import TakeOverRefused, release_locks, step_aside, take_over_from, tell_predecessor
 
 log = logging.getLogger("weightcache.daemon")
 
 
 class AlreadyServed(Exception):
     """Another live daemon holds this cache's lock."""
+
+
+class OverBudget(Exception):
+    """The planned shard does not fit the bytes per device this daemon may allocate."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class DaemonConfig:
     load_workers: int = 16
     http_bind: tuple[str, int] | None = None  # health, readiness, metrics and status over HTTP
     take_over: bool = False  # a live daemon of this cache: take its slabs over instead of exiting
+    # The most bytes of slabs per device (None: no limit): the operator's share of a
+    # per-GPU budget while another generation of the cache is resident beside this one.
+    max_device_bytes: int | None = None
 
 
 def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
@@ -81,13 +91,35 @@ def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
                                   "of its own (mode 0700, or 0750 with --socket-group)") from None
 
 
-def claim(socket_dir: pathlib.Path, name: str, device: str, *, after_handoff: bool = False) -> int:
-    """Hold the (cache, device) lock for the daemon's lifetime; the kernel drops it when
-    the process dies, however it dies, so a crashed daemon never blocks its successor.
+def generation_key(model_dir: pathlib.Path, revision: str) -> str:
+    """What tells two generations of one cache apart before anything is read: the model
+    directory and the revision (both in the fingerprint). Two generations of a cache may
+    serve side by side on a node (a blue/green model change); two daemons of one may not."""
+    return hashlib.sha256(f"{model_dir}\0{revision}".encode()).hexdigest()[:12]
+
+
+def _listening(path: pathlib.Path) -> bool:
+    """Whether a live daemon accepts on this socket (a dead one's file refuses)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(2.0)
+        with reachable(path) as address:
+            sock.connect(address)  # the server takes a connect-and-close as a probe
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def claim(socket_dir: pathlib.Path, name: str, device: str, generation: str, *, after_handoff: bool = False) -> int:
+    """Hold the (cache, device, generation) lock for the daemon's lifetime; the kernel
+    drops it when the process dies, however it dies, so a crashed daemon never blocks its
+    successor. Another generation of the cache has a lock of its own and serves on.
 
     after_handoff: this daemon already serves the predecessor's slabs on its own socket;
     wait for the predecessor to exit, and keep the sockets."""
-    lock_path = socket_dir / f".{name}__{device}.lock"
+    lock_path = socket_dir / f".{name}__{device}__{generation}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if after_handoff else fcntl.LOCK_NB))
@@ -95,9 +127,11 @@ def claim(socket_dir: pathlib.Path, name: str, device: str, *, after_handoff: bo
         os.close(fd)
         raise AlreadyServed(f"another daemon already serves cache {name!r} on {device} (lock {lock_path})") from None
     if not after_handoff:
-        # We hold the lock, so any socket of this cache and device is a dead daemon's.
+        # A socket of this cache and device that nobody listens on is a dead daemon's;
+        # a live one is another generation's, serving its engines.
         for entry in socket_dir.glob(f"{name}__{device}__*.sock"):
-            entry.unlink(missing_ok=True)
+            if not _listening(entry):
+                entry.unlink(missing_ok=True)
     return fd
 
 
@@ -121,6 +155,11 @@ def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonS
                     parallel.tp_rank)
     plan = plan_slabs(tensors, max_slab_bytes=config.max_slab_bytes)
     state.expect(sum(t.nbytes for t in tensors))
+    planned = sum(plan.slab_sizes)
+    if config.max_device_bytes is not None and planned > config.max_device_bytes:
+        raise OverBudget(f"the shard needs {planned} bytes on {backend.device}, but this daemon may allocate "
+                         f"{config.max_device_bytes} (--max-device-bytes: what the per-GPU budget leaves beside "
+                         "the generation already resident); nothing was allocated")
     log.info("loading", extra={"fields": {"model": str(config.model_dir), "tensors": len(tensors),
                                           "bytes": sum(t.nbytes for t in tensors), "slabs": len(plan.slab_sizes),
                                           "backend": backend.name, "device": backend.device,
@@ -164,6 +203,8 @@ def failure_reason(exc: BaseException, model_dir: pathlib.Path) -> str:
     # A hostPath volume for a path missing on the node arrives as an empty directory.
     if not model_dir.is_dir() or not any(model_dir.iterdir()):
         return "ModelNotFound"
+    if isinstance(exc, OverBudget):
+        return "OverBudget"
     if isinstance(exc, UnsupportedQuantization):
         return "UnsupportedQuantization"
     if isinstance(exc, CheckpointError):
@@ -171,46 +212,71 @@ def failure_reason(exc: BaseException, model_dir: pathlib.Path) -> str:
     return "LoadFailed"
 
 
-class _HeldFd:
-    """A slab handle taken over from a predecessor: this daemon only passes it on."""
-
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def take_over(config: DaemonConfig, device: str):
-    """The live predecessor's slabs for this device, over its socket: (cache, slabs, the
-    connection to answer once this daemon's socket is published). Nothing is read from disk."""
-    paths = list_sockets(config.socket_dir, config.name, device)
-    if not paths:
-        raise AlreadyServed(f"cache {config.name!r} on {device} is locked by a daemon that serves no socket to "
-                            "take over from")
-    req = wire.Request(protocol_version=PROTOCOL_VERSION, client_name=f"successor-pid-{os.getpid()}")
-    req.handoff.SetInParent()
-    sock, response, fds = request(paths[0], req, timeout=config.handshake_timeout, accept_fds=True)
-    att = response.attached
-    if att.backend != config.backend:
-        sock.close()
-        raise ValueError(f"the running daemon serves backend {att.backend}; this one was started for {config.backend}")
-    cache = ResidentCache(name=config.name, backend=att.backend, device=att.device, fingerprint=att.fingerprint,
-                          layout=att.layout, slab_fds=fds, model_path=str(config.model_dir), load_s=0.0)
-    log.info("taken over", extra={"fields": {"from": str(paths[0]), "bytes": cache.resident_bytes,
-                                             "slabs": len(fds), "device": device}})
-    return cache, [_HeldFd(fd) for fd in fds], sock
+def _same_generation(path: pathlib.Path, config: DaemonConfig) -> bool:
+    """Whether the daemon on PATH serves this daemon's generation (model and revision):
+    beside it, another generation of the cache may serve its own engines."""
+    try:
+        status = query_status(path, timeout=config.handshake_timeout)
+    except Exception:  # a dead or refusing socket is nobody to take over from
+        return False
+    return status.model_path == str(config.model_dir) and status.fingerprint.revision == config.revision
 
 
-def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonState, handed: set[str]) -> list:
+def succeed(config: DaemonConfig, device: str, generation: str, parallel: fp.Parallelism, state: DaemonState,
+            poll_s: float = 0.2):
+    """For a device whose lock a live daemon of this generation holds (--take-over).
+    Returns (lock fd, None) when that daemon goes first (nobody to take over from: load),
+    (None, (cache, slabs, connection)) after a hand-off, or (None, None) when it cannot
+    hand over (load beside it; its lock follows when it exits).
+
+    A daemon still loading has no socket yet: wait for it rather than load a second copy."""
+    said = None
+    while True:
+        try:
+            return claim(config.socket_dir, config.name, device, generation), None
+        except AlreadyServed:
+            pass
+        paths = [p for p in list_sockets(config.socket_dir, config.name, device) if _same_generation(p, config)]
+        if paths:
+            try:
+                return None, take_over_from(paths[0], config, parallel)
+            except TakeOverRefused as exc:
+                log.warning("take-over refused; loading from disk instead",
+                            extra={"fields": {"device": device, "reason": str(exc)}})
+                state.note("TakeOverRefused", f"{device}: {exc}; loading from disk")
+                return None, None
+            except (OSError, EOFError, ProtocolError) as exc:
+                why = f"the running daemon did not answer on {paths[0].name}: {exc}"
+        else:
+            why = "the running daemon has not published its socket yet (still loading)"
+        if why != said:
+            log.info("waiting to take over", extra={"fields": {"device": device, "why": why}})
+            state.note("TakingOver", f"{device}: {why}")
+            said = why
+        time.sleep(poll_s)
+
+
+def claim_when_free(config: DaemonConfig, generation: str, devices: list[str], locks: dict) -> None:
+    """Take each device's lock as the other daemon lets go (a thread: that may take long)."""
+    for device in devices:
+        locks[device] = claim(config.socket_dir, config.name, device, generation, after_handoff=True)
+
+
+def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonState, locks: dict,
+                     generation: str) -> list:
     """Load every device in parallel (each in its own thread: a CUDA context is current
-    per thread), or take it over from a live predecessor where `handed` names it; then
-    publish their sockets. Returns (cache, server, path, slabs, handoff connection) each."""
+    per thread), or, where a live daemon holds a device's lock (not in LOCKS), take its
+    slabs over; then publish their sockets. Returns (cache, server, path, slabs, handoff
+    connection) each; LOCKS gains the locks taken on the way."""
     parallels = ranks_for(config.parallel, len(devices))
 
     def one(device: str, parallel: fp.Parallelism):
-        if device in handed:
-            return take_over(config, device)
+        if device not in locks:
+            lock, taken = succeed(config, device, generation, parallel, state)
+            if taken is not None:
+                return taken
+            if lock is not None:
+                locks[device] = lock
         return (*load(config, make_backend(config.backend, device), parallel, state), None)
 
     with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="device") as pool:
@@ -220,14 +286,6 @@ def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonStat
         server, path = publish(config, cache)
         served.append((cache, server, path, slabs, handoff))
     return served
-
-
-def _stop_once_handed_off(servers: list, stop: threading.Event) -> None:
-    """A successor took every device over: this daemon's work is done."""
-    for server in servers:
-        server.handed_off.wait()
-    log.info("handed over", extra={"fields": {"devices": len(servers)}})
-    stop.set()
 
 
 def _still_ours(path: pathlib.Path, server) -> bool:
@@ -250,23 +308,25 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     check_cache_name(config.name)
     devices = canonical_devices(config.backend, config.devices)
     prepare_socket_dir(config.socket_dir, config.socket_group)
-    locks, handed = [], set()
+    locks: dict[str, int] = {}  # device -> lock fd; missing while another live daemon holds it
+    generation = generation_key(config.model_dir, config.revision)
     for device in devices:
         try:
-            locks.append(claim(config.socket_dir, config.name, device))
+            locks[device] = claim(config.socket_dir, config.name, device, generation)
         except AlreadyServed as exc:
             if not config.take_over:
                 log.error(str(exc))
+                release_locks(locks)
                 return EXIT_ALREADY_SERVED
-            handed.add(device)
     state = DaemonState(cache=config.name, backend=config.backend, model=str(config.model_dir))
     http = serve_http(*config.http_bind, state) if config.http_bind else None
     try:
-        served = load_and_publish(config, devices, state, handed)
+        served = load_and_publish(config, devices, state, locks, generation)
     except Exception as exc:
         if http is None:
             raise
         stop = stop_on_signal()
+        release_locks(locks)  # it serves nothing: a successor must not wait for it
         state.fail(failure_reason(exc, config.model_dir), str(exc))
         log.error("load failed", extra={"fields": {"reason": state.reason, "error": str(exc)}})
         stop.wait()
@@ -277,15 +337,22 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
         log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
                                             "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
                                             "load_s": round(cache.load_s, 3)}})
-    for device, (*_, handoff) in zip(devices, served):
-        if handoff is not None:  # our socket serves: the predecessor may go, and leaves us its lock
-            handoff.sendall(HANDOFF_DONE)
-            handoff.close()
-            locks.append(claim(config.socket_dir, config.name, device, after_handoff=True))
+    for *_, handoff in served:
+        if handoff is not None:
+            tell_predecessor(handoff)
     stop = stop_on_signal()
-    servers = [server for _, server, *_ in served]
-    threading.Thread(target=_stop_once_handed_off, args=(servers, stop), name="handoff", daemon=True).start()
+    # Ready once it serves, before the other daemon lets go of the lock: a supervisor
+    # stops that one only when this one is ready.
     state.ready([(cache, server, path) for cache, server, path, *_ in served])
+    waiting = [d for d in devices if d not in locks]
+    if waiting:
+        threading.Thread(target=claim_when_free, args=(config, generation, waiting, locks), name="lock",
+                         daemon=True).start()
+    # With HTTP the daemon runs supervised (a pod would restart it if it exited): after a
+    # hand-off it reports handed-over and waits for SIGTERM.
+    servers = [server for _, server, *_ in served]
+    threading.Thread(target=step_aside, args=(servers, locks, state, stop, http is not None), name="handoff",
+                     daemon=True).start()
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
@@ -302,8 +369,7 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
             slab.close()
     if http is not None:
         http.shutdown()
-    for fd in locks:
-        os.close(fd)
+    release_locks(locks)
     log.info("stopped", extra={"fields": {"attached_at_exit": attached,
                                           "shutdown_ms": round((time.monotonic() - started) * 1e3, 1)}})
     return 0

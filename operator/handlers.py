@@ -12,8 +12,10 @@ import logging
 
 import kopf
 
+from .hotstandby import StandbyController
 from .kube import ApiError, Kube
 from .manifests import CACHE_LABEL, DAEMON_APP, GROUP, NAME_LABEL, PLURAL, VERSION, Defaults
+from .managed import MANAGED_ANNOTATION as MANAGED_ROLLOUT
 from .mutation import MutationRefused, is_daemon_pod, mutate_pod
 from .reconcile import Reconciler, Waiting
 
@@ -32,7 +34,8 @@ def emit_event(cache: dict, type: str, reason: str, message: str) -> None:
 
 
 def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, kube: Kube, defaults: Defaults,
-             poll_interval: float = 2.0, delete_retry: float = 2.0) -> None:
+             poll_interval: float = 2.0, delete_retry: float = 2.0,
+             standbys: StandbyController | None = None) -> None:
 
     @kopf.on.login(registry=registry)
     def login(**kwargs):
@@ -62,6 +65,13 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, kube: Kube
     def daemon_changed(namespace, labels, **_):
         reconciler.reconcile(namespace, labels[CACHE_LABEL])
 
+    # Managed rollouts: a labelled engine Deployment's template change runs its cache's
+    # pass at once, which pauses the rollout until the generation it needs is ready.
+    @kopf.on.event("apps", "v1", "deployments", id="managed-rollout-event", registry=registry,
+                   labels={CACHE_LABEL: kopf.PRESENT}, annotations={MANAGED_ROLLOUT: "true"})
+    def managed_deployment_changed(namespace, labels, **_):
+        reconciler.reconcile(namespace, labels[CACHE_LABEL])
+
     @kopf.on.delete(*CACHES, id="finalize", registry=registry)
     def finalize(namespace, name, **_):
         cache = kube.get_cache(namespace, name)
@@ -71,6 +81,20 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, kube: Kube
             reconciler.finalize(cache)
         except Waiting as w:
             raise kopf.TemporaryError(str(w), delay=delete_retry)
+
+    if standbys is not None:
+        # Hot standby: watch-driven, no timer. Every event of a Deployment (the
+        # controller keeps those that ask for standbys, or did) and of every engine pod
+        # (a primary dying or deleted, a standby turning Ready) runs a pass.
+        @kopf.on.event("apps", "v1", "deployments", id="standby-deployment-event", registry=registry)
+        def standby_deployment_changed(body, **_):
+            standbys.deployment_event(_plain(body))
+
+        @kopf.on.event("v1", "pods", id="standby-pod-event", registry=registry, labels={CACHE_LABEL: kopf.PRESENT})
+        def standby_pod_changed(body, **_):
+            pod = _plain(body)
+            if not is_daemon_pod(pod):
+                standbys.pod_event(pod)
 
     @kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False, registry=registry,
                     labels={CACHE_LABEL: kopf.PRESENT})

@@ -105,3 +105,36 @@ class Kube:
     def label_node(self, node: str, key: str, value: str | None) -> None:
         self.request("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {key: value}}},
                      content_type=MERGE, missing_ok=True)
+
+    # -- hot standby: the Deployment, its ReplicaSets, and the pods the operator makes ----
+    def get_deployment(self, ns: str, name: str) -> dict | None:
+        return self.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", missing_ok=True)
+
+    def list_replicasets(self, ns: str, selector: str) -> list[dict]:
+        return self.request("GET", f"/apis/apps/v1/namespaces/{ns}/replicasets",
+                            query={"labelSelector": selector})["items"]
+
+    def create_pod(self, pod: dict) -> dict:
+        return self.request("POST", f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods", pod)
+
+    def patch_pod(self, ns: str, name: str, patch: dict) -> dict:
+        return self.request("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}", patch, content_type=MERGE)
+
+    def delete_pod(self, ns: str, name: str, uid: str) -> None:
+        self.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}", {"preconditions": {"uid": uid}},
+                     missing_ok=True)
+
+    def list_daemonsets(self, ns: str, selector: str) -> list[dict]:
+        return self.request("GET", self.daemonset_path(ns), query={"labelSelector": selector})["items"]
+
+    def list_deployments(self, ns: str, selector: str) -> list[dict]:
+        return self.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments",
+                            query={"labelSelector": selector})["items"]
+
+    def patch_deployment(self, ns: str, name: str, patch: dict) -> dict | None:
+        return self.request("PATCH", f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", patch,
+                            content_type=MERGE, missing_ok=True)
+
+    def patch_node_labels(self, node: str, labels: dict[str, str | None]) -> None:
+        self.request("PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": labels}},
+                     content_type=MERGE, missing_ok=True)

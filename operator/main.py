@@ -99,7 +99,8 @@ def operator_settings(args, priority: int):
     settings.peering.lifetime = args.peering_lifetime
     settings.peering.stealth = True
     settings.execution.max_workers = 32
-    settings.watching.label_selectors["v1", "pods"] = "app.kubernetes.io/name=weightcache-daemon,weightcache.io/cache"
+    # Pods that use a cache: the daemons, and the engines (hot standby watches those).
+    settings.watching.label_selectors["v1", "pods"] = "weightcache.io/cache"
     settings.watching.label_selectors["apps/v1", "daemonsets"] = "app.kubernetes.io/name=weightcache-daemon"
     settings.admission.managed = None
     if not args.no_webhook:
@@ -123,6 +124,7 @@ def run_command(args) -> int:
     import kopf
 
     from .handlers import emit_event, register
+    from .hotstandby import StandbyController
     from .kube import Kube, load_api_client
     from .peering import PeeringUnavailable, ensure_peering
     from .reconcile import Reconciler
@@ -136,7 +138,8 @@ def run_command(args) -> int:
     defaults = Defaults(daemon_image=args.daemon_image, agent_image=args.agent_image, client_gid=args.client_gid)
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     registry = kopf.OperatorRegistry()
-    register(registry, Reconciler(kube, defaults, emit=emit_event), kube, defaults, poll_interval=args.poll_interval)
+    register(registry, Reconciler(kube, defaults, emit=emit_event), kube, defaults, poll_interval=args.poll_interval,
+             standbys=StandbyController(kube, emit=emit_event))
     health_host, health_port = args.health_bind
     logging.getLogger("weightcache.operator").info("starting", extra={"fields": {
         "peering": args.peering, "priority": priority, "namespaces": args.namespace or "all"}})

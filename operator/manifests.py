@@ -110,7 +110,10 @@ def daemon_args(cache: dict, defaults: Defaults = Defaults()) -> list[str]:
             "--socket-dir", socket_dir_for(meta["namespace"], meta["name"]), "--name", meta["name"],
             "--revision", spec["model"].get("revision", ""), "--tp-size", str(parallelism.get("tensor", 1)),
             *device_args(spec), "--http-bind", f"$(POD_IP):{DAEMON_HTTP_PORT}",
-            "--socket-group", str(defaults.client_gid), "--allow-gid", str(defaults.client_gid)]
+            "--socket-group", str(defaults.client_gid), "--allow-gid", str(defaults.client_gid),
+            # A replaced pod's daemon takes the resident slabs over from the one it replaces
+            # (a surge pod beside it on the node); with none alive, it loads.
+            "--take-over"]
 
 
 def _env(spec: dict) -> list[dict]:
@@ -151,6 +154,11 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
                            "failureThreshold": 1},
         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10,
                           "timeoutSeconds": 5, "failureThreshold": 3},
+        # Liveness counts only once the process answers at all: importing torch on a busy
+        # node can take longer than liveness allows, and a surge pod restarted for that
+        # would only delay its take-over.
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
+                         "timeoutSeconds": 5, "failureThreshold": 150},
         "securityContext": {"privileged": True},
         "volumeMounts": [{"name": "sockets", "mountPath": sockets},
                          {"name": "model", "mountPath": spec["model"]["path"], "readOnly": True}],
@@ -183,7 +191,9 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
                      "ownerReferences": [owner_reference(cache)]},
         "spec": {
             "selector": {"matchLabels": labels},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            # Surge: the new daemon pod starts beside the old one on each node and takes its
+            # slabs over (no reload, no gap); the old pod goes once the new one is Ready.
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 5,
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+from . import generations as gens
 from .manifests import (CACHE_LABEL, DAEMON_APP, NAME_LABEL, NODE_READY, Defaults, model_volume,
                         node_label_key, socket_dir_for, socket_volume)
 
@@ -121,15 +122,38 @@ def _with_affinity(pod_spec: dict, key: str) -> dict:
     return affinity
 
 
+def pod_generation(pod: dict, cache: dict) -> tuple[gens.Generation, bool]:
+    """(the generation POD needs, whether the pod named it). A pod annotated
+    `weightcache.io/revision: <rev>` (set in a Deployment's template) needs that revision:
+    the spec's, or an earlier one still served during a BlueGreen move; a pod without it
+    needs the spec's generation."""
+    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(gens.REVISION_ANNOTATION)
+    if wanted is None:
+        return gens.desired_generation(cache), False
+    found = gens.generation_for_revision(cache, wanted)
+    if found is None:
+        served = sorted({cache["spec"]["model"].get("revision", "")} | {
+            e.get("revision", "") for e in (cache.get("status") or {}).get("generations") or []
+            if e.get("phase") in (gens.ACTIVE, gens.LOADING, gens.DRAINING)})
+        raise MutationRefused(f"the pod asks for revision {wanted!r} ({gens.REVISION_ANNOTATION}), but WeightCache "
+                              f"{cache['metadata']['name']!r} serves {', '.join(repr(r) for r in served)}; set "
+                              f"spec.model.revision of the cache to {wanted!r} first, or change the annotation")
+    return found, True
+
+
 def mutate_pod(pod: dict, cache: dict, defaults: Defaults = Defaults()) -> dict:
-    """POD (not changed) as the webhook admits it for CACHE."""
-    meta, cache_spec = cache["metadata"], cache["spec"]
+    """POD (not changed) as the webhook admits it for CACHE (for the generation it needs)."""
+    meta = cache["metadata"]
     name = meta["name"]
     if is_daemon_pod(pod):
         return copy.deepcopy(pod)
     if pod.get("metadata", {}).get("namespace") not in (None, meta["namespace"]):
         raise MutationRefused(f"pod is in namespace {pod['metadata']['namespace']!r}, "
                               f"WeightCache {name!r} in {meta['namespace']!r}: a pod can only use a cache of its own namespace")
+    generation, pinned = pod_generation(pod, cache)
+    cache = copy.deepcopy(cache)  # the cache as of that generation: its model path and revision
+    cache["spec"]["model"].update(path=generation.path, revision=generation.revision)
+    cache_spec = cache["spec"]
     out = copy.deepcopy(pod)
     spec = out.setdefault("spec", {})
     volumes = list(spec.get("volumes") or [])
@@ -148,9 +172,14 @@ def mutate_pod(pod: dict, cache: dict, defaults: Defaults = Defaults()) -> dict:
     groups = list(security.get("supplementalGroups") or [])
     if defaults.client_gid not in groups:
         security["supplementalGroups"] = groups + [defaults.client_gid]  # the daemon admits this group
-    spec["affinity"] = _with_affinity(spec, node_label_key(meta["namespace"], name))
+    # A pod that names its revision goes where that generation is ready; one that does
+    # not, where the spec's generation is (the cache-wide label).
+    key = gens.generation_node_label_key(meta["namespace"], name, generation) if pinned else \
+        node_label_key(meta["namespace"], name)
+    spec["affinity"] = _with_affinity(spec, key)
     annotations = out.setdefault("metadata", {}).setdefault("annotations", {})
     annotations[MUTATED_ANNOTATION] = name
+    annotations[gens.GENERATION_LABEL] = generation.key  # the operator counts it as holding that generation
     return out
 
 

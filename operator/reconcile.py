@@ -21,10 +21,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from . import generations as gens
+from . import managed
 from . import status as st
 from .kube import ApiError, Kube
 from .manifests import (CACHE_LABEL, DAEMON_APP, DAEMON_HTTP_PORT, FORCE_DELETE_ANNOTATION, NAME_LABEL, NODE_READY,
-                        Defaults, daemon_labels, daemonset_for, daemonset_name, node_label_key)
+                        Defaults, daemon_labels, daemonset_for, node_label_key)
+from .passes import SerialPasses
 
 log = logging.getLogger("weightcache.operator")
 
@@ -77,9 +80,8 @@ class Reconciler:
         self.defaults = defaults
         self.emit = emit or (lambda cache, type, reason, message: None)
         self.http_timeout = http_timeout
-        self._guard = threading.Lock()
-        self._running: set[tuple[str, str]] = set()
-        self._again: set[tuple[str, str]] = set()
+        self._guard = threading.Lock()  # guards _key_locks
+        self._passes = SerialPasses()
         self._checked: dict[tuple[str, str], tuple] = {}
         self._key_locks: dict[tuple[str, str], threading.Lock] = {}
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="wc-status")
@@ -89,25 +91,13 @@ class Reconciler:
         """Reconcile one cache; concurrent calls for the same cache coalesce into one more
         pass by the caller already running, so an event storm costs a pass or two."""
         key = (namespace, name)
-        with self._guard:
-            if key in self._running:
-                self._again.add(key)
-                return
-            self._running.add(key)
-        try:
-            while True:
-                with self._key_lock(key):
-                    self._reconcile_once(namespace, name)
-                with self._guard:
-                    if key not in self._again:
-                        self._running.discard(key)
-                        return
-                    self._again.discard(key)
-        except BaseException:
-            with self._guard:
-                self._running.discard(key)
-                self._again.discard(key)
-            raise
+
+        def one_pass() -> bool:
+            with self._key_lock(key):
+                self._reconcile_once(namespace, name)
+            return False
+
+        self._passes.run(key, one_pass)
 
     def _key_lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._guard:
@@ -129,9 +119,12 @@ class Reconciler:
         meta = cache["metadata"]
         ns, name = meta["namespace"], meta["name"]
         force = (meta.get("annotations") or {}).get(FORCE_DELETE_ANNOTATION) == "true"
-        ds = self.kube.get_daemonset(ns, daemonset_name(name))
-        pods = self._daemon_pods(ns, name, ds)
-        states = self.observe(pods)
+        daemonsets = self.cache_daemonsets(ns, name, meta["uid"])  # every generation's
+        ds = daemonsets[0] if daemonsets else None
+        pods = self._daemon_pods(ns, name, None)
+        # Each generation's daemons on their own: two on one node each count their clients.
+        states = [s for d in daemonsets for s in self.observe(self._daemon_pods(ns, name, d))] if daemonsets \
+            else self.observe(pods)
         if not force:
             engines = sorted(p["metadata"]["name"] for p in self.kube.list_pods(ns, engine_selector(name)))
             attached = sum(int(d.get("attached_clients") or 0) for s in states for d in s.devices)
@@ -143,36 +136,123 @@ class Reconciler:
                 self._write_status(cache, st.aggregate(cache, ds, states, now(),
                                                        deleting=("DeletionBlocked", message)), event_on_change=True)
                 raise Waiting(message)
-        self._sync_node_labels(ns, name, set())
-        if ds is not None:
-            if ds["metadata"].get("deletionTimestamp") is None:
-                self.kube.delete_daemonset(ns, ds["metadata"]["name"])
+        self._sync_labels(ns, name, {})
+        if daemonsets:
+            for d in daemonsets:
+                if d["metadata"].get("deletionTimestamp") is None:
+                    self.kube.delete_daemonset(ns, d["metadata"]["name"])
             message = (f"waiting for {len(pods)} daemon pod(s) to stop and remove their sockets" if pods
                        else "waiting for the daemon DaemonSet to go")
             self._write_status(cache, st.aggregate(cache, ds, states, now(), deleting=("Deleting", message)))
             raise Waiting(message)
         if pods:
             raise Waiting(f"waiting for {len(pods)} daemon pod(s) to stop")
-        self._checked.pop((ns, name), None)
+        for slot in gens.SLOTS:
+            self._checked.pop((ns, gens.slot_daemonset_name(name, slot)), None)
 
     # -- one pass -------------------------------------------------------------------------
     def _reconcile_once(self, ns: str, name: str) -> None:
         cache = self.kube.get_cache(ns, name)
         if cache is None or cache["metadata"].get("deletionTimestamp"):
             return  # gone, or finalize() owns it now
-        problem = None
-        try:
-            ds = self.ensure_daemonset(cache)
-        except (ApiError, DaemonSetConflict) as e:
-            reason = "DaemonSetConflict" if isinstance(e, DaemonSetConflict) else "DaemonSetRefused"
-            problem, ds = (reason, str(e)), None
-            log.warning("daemonset not reconciled", extra={"fields": {"cache": f"{ns}/{name}", "error": str(e)}})
-        pods = self._daemon_pods(ns, name, ds)
-        states = self.observe(pods, self.current_revision(ns, name, ds))
-        self._sync_node_labels(ns, name, st.ready_nodes(states))
-        self._write_status(cache, st.aggregate(cache, ds, states, now(), problem=problem), event_on_change=True)
+        desired = gens.desired_generation(cache)
+        strategy, budget = gens.rollout_of(cache["spec"])
+        live = self.observe_generations(cache)
+        decided = gens.plan(desired, strategy, budget, live)
+        problem, kept = None, {}
+        for slot, generation, allowance in decided.keep:
+            want = gens.generation_daemonset(cache, generation, slot, self.defaults, allowance)
+            try:
+                kept[slot] = self.ensure_daemonset(cache, want)
+            except (ApiError, DaemonSetConflict) as e:
+                reason = "DaemonSetConflict" if isinstance(e, DaemonSetConflict) else "DaemonSetRefused"
+                problem = problem or (reason, str(e))
+                log.warning("daemonset not reconciled", extra={"fields": {"cache": f"{ns}/{name}", "error": str(e)}})
+        for o in live:
+            if o.slot in decided.delete and o.daemonset["metadata"].get("deletionTimestamp") is None:
+                self.kube.delete_daemonset(ns, o.daemonset["metadata"]["name"])
+                self.emit(cache, "Normal", "GenerationReleased", f"{o.generation.describe()}: no engine holds it; "
+                          f"deleted DaemonSet {o.daemonset['metadata']['name']}")
+        # The spec's generation, observed after this pass's writes (a DaemonSet just
+        # created or updated has no daemon ready for it yet).
+        target = next((o for o in live if o.generation == desired), None)
+        ds = kept.get(decided.target_slot)
+        if ds is not None and (target is None or target.slot != decided.target_slot or
+                               target.daemonset["metadata"].get("generation") != ds["metadata"].get("generation")):
+            target = self._observed(ds, desired, decided.target_slot, target.engine_pods if target else [])
+        current = [o for o in live if o.generation != desired and o.slot != decided.target_slot]
+        current = ([target] if target is not None else []) + current
+        if target is None:  # the old generation serves while the spec's waits
+            serving = next((o for o in current if o.held), None)
+            ds, states = (serving.daemonset, serving.states) if serving else (None, [])
+        else:
+            states = target.states
+        self._sync_labels(ns, name, self._wanted_labels(ns, name, target, [o for o in current
+                                                                           if o.slot not in decided.delete]))
+        status = st.aggregate(cache, ds, gens.states_for_status(states), now(), problem=problem)
+        entries = gens.generations_status(desired, current, decided)
+        status = gens.with_generations(status, entries, decided, sum(o.attached for o in current),
+                                       (cache.get("status") or {}).get("conditions") or [], now())
+        self._write_status(cache, status, event_on_change=True)
+        self._gate_rollouts({**cache, "status": status})
 
-    def ensure_daemonset(self, cache: dict, attempts: int = 3) -> dict:
+    def _gate_rollouts(self, cache: dict) -> None:
+        """Pause or resume the cache's managed engine Deployments (see managed.py)."""
+        ns, name = cache["metadata"]["namespace"], cache["metadata"]["name"]
+        for d in self.kube.list_deployments(ns, f"{CACHE_LABEL}={name}"):
+            if not managed.is_managed(d):
+                continue
+            decided = managed.gate(d, cache)
+            patch = managed.patch_for(d, decided)
+            if patch is None:
+                continue
+            self.kube.patch_deployment(ns, d["metadata"]["name"], patch)
+            # Items of a list carry no kind: the Event's object reference needs it.
+            self.emit({**d, "apiVersion": "apps/v1", "kind": "Deployment"}, "Normal",
+                      "RolloutPaused" if decided.pause else "RolloutResumed", decided.message)
+            log.info("managed rollout", extra={"fields": {"deployment": f"{ns}/{d['metadata']['name']}",
+                                                          "paused": decided.pause, "reason": decided.reason}})
+
+    def observe_generations(self, cache: dict) -> list[gens.Observed]:
+        """Each live DaemonSet of the cache with its generation, daemon states and the
+        engine pods admitted for it."""
+        meta = cache["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        engines: dict[str, list[str]] = {}
+        for p in self.kube.list_pods(ns, engine_selector(name)):
+            if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            engines.setdefault(gens.engine_generation(p) or "", []).append(p["metadata"]["name"])
+        out = []
+        for ds in self.cache_daemonsets(ns, name, meta["uid"]):
+            generation = gens.generation_of_daemonset(ds)
+            out.append(self._observed(ds, generation, gens.slot_of(ds), sorted(engines.get(generation.key, []))))
+        return out
+
+    def _observed(self, ds: dict, generation: gens.Generation, slot: str, engine_pods: list[str]) -> gens.Observed:
+        ns, name = ds["metadata"]["namespace"], ds["metadata"]["labels"][CACHE_LABEL]
+        states = self.observe(self._daemon_pods(ns, name, ds), self.current_revision(ns, name, ds), template_args(ds))
+        return gens.Observed(generation, slot, ds, states, engine_pods)
+
+    def cache_daemonsets(self, ns: str, name: str, uid: str) -> list[dict]:
+        """The DaemonSets this cache owns (one per generation, at most two)."""
+        found = self.kube.list_daemonsets(ns, _selector(daemon_labels(name)))
+        return sorted((d for d in found if _owned_by(d, uid)), key=lambda d: d["metadata"]["name"])
+
+    def _wanted_labels(self, ns: str, name: str, target: gens.Observed | None,
+                       live: list[gens.Observed]) -> dict[str, set[str]]:
+        """Node -> the label keys of this cache it should carry: the cache-wide key where
+        the spec's generation is ready, and each live generation's own key where it is."""
+        wanted: dict[str, set[str]] = {}
+        if target is not None:
+            for node in st.ready_nodes(target.states):
+                wanted.setdefault(node, set()).add(node_label_key(ns, name))
+        for o in live:
+            for node in st.ready_nodes(o.states):
+                wanted.setdefault(node, set()).add(gens.generation_node_label_key(ns, name, o.generation))
+        return wanted
+
+    def ensure_daemonset(self, cache: dict, desired: dict | None = None, attempts: int = 3) -> dict:
         """The cache's DaemonSet as the builder says: created when missing; replaced when
         its spec drifted (a changed WeightCache, or a hand edit), else left alone.
 
@@ -181,16 +261,17 @@ class Reconciler:
         lost a race with another writer (409) starts over from a fresh read."""
         for attempt in range(attempts):
             try:
-                return self._ensure_daemonset(cache)
+                return self._ensure_daemonset(cache, desired)
             except ApiError as e:
                 if e.status != 409 or attempt == attempts - 1:
                     raise
         raise AssertionError("unreachable")
 
-    def _ensure_daemonset(self, cache: dict) -> dict:
+    def _ensure_daemonset(self, cache: dict, desired: dict | None = None) -> dict:
         meta = cache["metadata"]
-        ns, name = meta["namespace"], meta["name"]
-        desired = daemonset_for(cache, self.defaults)
+        ns = meta["namespace"]
+        desired = desired or daemonset_for(cache, self.defaults)
+        name = desired["metadata"]["name"]  # the shortcut below is kept per DaemonSet
         actual = self.kube.get_daemonset(ns, desired["metadata"]["name"])
         if actual is None:
             created = self.kube.create_daemonset(desired)  # 409: someone else did; start over
@@ -208,6 +289,8 @@ class Reconciler:
         candidate.pop("status", None)
         candidate["metadata"]["labels"] = {**(actual["metadata"].get("labels") or {}), **desired["metadata"]["labels"]}
         candidate["metadata"]["ownerReferences"] = desired["metadata"]["ownerReferences"]
+        candidate["metadata"]["annotations"] = {**(actual["metadata"].get("annotations") or {}),
+                                                **(desired["metadata"].get("annotations") or {})}
         candidate["spec"] = desired["spec"]
         dry = self.kube.replace_daemonset(candidate, dry_run=True)
         if dry["spec"] != actual["spec"] or _meta_key(dry) != _meta_key(actual):
@@ -217,7 +300,7 @@ class Reconciler:
                       "DaemonSetUpdated" if spec_changed else "DaemonSetRestored",
                       f"DaemonSet {actual['metadata']['name']} " +
                       ("updated to the WeightCache's spec" if spec_changed else "had been edited; put back"))
-            log.info("daemonset replaced", extra={"fields": {"cache": f"{ns}/{name}", "spec_changed": spec_changed}})
+            log.info("daemonset replaced", extra={"fields": {"daemonset": f"{ns}/{name}", "spec_changed": spec_changed}})
         self._checked[(ns, name)] = (actual["metadata"]["uid"], actual["metadata"].get("generation"),
                                      _meta_key(actual), digest)
         return actual
@@ -229,12 +312,19 @@ class Reconciler:
         uid = ds["metadata"]["uid"]
         return [p for p in pods if any(o.get("uid") == uid for o in p["metadata"].get("ownerReferences") or [])]
 
-    def observe(self, pods: list[dict], current: str | None = None) -> list[st.NodeState]:
-        """Each node's daemon; CURRENT is the DaemonSet's revision hash, when known, so
-        that a daemon still running an older spec does not count as ready."""
-        chosen = list(st.pick_pods(pods).values())
-        reports = list(self._pool.map(lambda p: fetch_report(p, self.http_timeout), chosen))
-        return [st.node_state(p, report, error, current) for p, (report, error) in zip(chosen, reports)]
+    def observe(self, pods: list[dict], current: str | None = None,
+                current_args: list[str] | None = None) -> list[st.NodeState]:
+        """Each node's daemon; CURRENT is the DaemonSet's revision hash and CURRENT_ARGS its
+        daemon args, when known, so that a daemon still running an older spec does not
+        count as ready unless it serves the same weights. Every pod of a node is asked:
+        during a surge rollout two daemons share it, and the node is ready while either serves."""
+        placed = [p for p in pods if p["spec"].get("nodeName")]
+        reports = list(self._pool.map(lambda p: fetch_report(p, self.http_timeout), placed))
+        by_node: dict[str, list] = {}
+        for p, (report, error) in zip(placed, reports):
+            by_node.setdefault(p["spec"]["nodeName"], []).append((p, st.node_state(p, report, error, current,
+                                                                                    current_args)))
+        return [st.for_node(node_pods) for node_pods in by_node.values()]
 
     def current_revision(self, ns: str, name: str, ds: dict | None) -> str | None:
         """The pod-template hash the DaemonSet rolls its pods to (its newest ControllerRevision)."""
@@ -248,13 +338,17 @@ class Reconciler:
         newest = max(revisions, key=lambda r: r.get("revision", 0))
         return (newest["metadata"].get("labels") or {}).get(st.REVISION_LABEL)
 
-    def _sync_node_labels(self, ns: str, name: str, ready: set[str]) -> None:
-        key = node_label_key(ns, name)
-        labelled = {n["metadata"]["name"] for n in self.kube.list_nodes(key)}
-        for node in sorted(ready - labelled):
-            self.kube.label_node(node, key, NODE_READY)
-        for node in sorted(labelled - ready):
-            self.kube.label_node(node, key, None)
+    def _sync_labels(self, ns: str, name: str, wanted: dict[str, set[str]]) -> None:
+        """Make this cache's node labels (the cache-wide key and the per-generation keys,
+        all starting with node_label_key) exactly WANTED: node -> keys set to ready."""
+        prefix = node_label_key(ns, name)
+        for n in self.kube.list_nodes():
+            node = n["metadata"]["name"]
+            have = {k for k, v in (n["metadata"].get("labels") or {}).items() if k.startswith(prefix)}
+            want = wanted.get(node, set())
+            change = {**{k: NODE_READY for k in sorted(want - have)}, **{k: None for k in sorted(have - want)}}
+            if change:
+                self.kube.patch_node_labels(node, change)
 
     def _write_status(self, cache: dict, new: dict, event_on_change: bool = False) -> None:
         old = cache.get("status") or {}
@@ -276,6 +370,16 @@ class Reconciler:
                 self.emit(cache, "Warning", after["reason"], after["message"])
             elif kind == "Progressing" and after["reason"] == "DeletionBlocked":
                 self.emit(cache, "Warning", "DeletionBlocked", after["message"])
+            elif kind == "Progressing" and after["reason"] in gens.WAIT_EVENTS:
+                self.emit(cache, gens.WAIT_EVENTS[after["reason"]], after["reason"], after["message"])
+
+
+def template_args(ds: dict | None) -> list[str] | None:
+    """The daemon container's args in the DaemonSet's pod template."""
+    for c in ((ds or {}).get("spec") or {}).get("template", {}).get("spec", {}).get("containers") or []:
+        if c.get("name") == "daemon":
+            return list(c.get("args") or [])
+    return None
 
 
 class DaemonSetConflict(Exception):

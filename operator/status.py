@@ -12,6 +12,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 READY, LOADING, FAILED = "ready", "loading", "failed"
+HANDED_OVER = "handed-over"  # a daemon whose successor took its slabs over; it waits to be stopped
+TAKING_OVER = "TakingOver"  # a new daemon's reason while it waits for the one it replaces
+# The daemon flags that decide which weights it serves (the fingerprint): a daemon of an
+# older template with the same ones serves what the current spec asks for (e.g. only the
+# image changed) and stays ready until its successor has taken its slabs over.
+WEIGHT_FLAGS = ("--model", "--backend", "--revision", "--tp-size", "--device", "--name", "--socket-dir")
 REVISION_LABEL = "controller-revision-hash"  # the DaemonSet controller's pod-template hash
 
 # Container waiting reasons that will not fix themselves by waiting.
@@ -28,6 +34,7 @@ class NodeState:
     message: str = ""
     devices: list[dict] = field(default_factory=list)
     progress: dict | None = None
+    rollout: str = ""  # a daemon replacement under way on this node, while it stays ready
 
 
 def human_bytes(n: int) -> str:
@@ -51,12 +58,28 @@ def _pod_ready(pod: dict) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
-def node_state(pod: dict, report: dict | None, error: str = "", current: str | None = None) -> NodeState:
+def weight_args(args: list[str]) -> list[tuple[str, str]]:
+    """The WEIGHT_FLAGS (flag, value) pairs of a daemon's args, in order."""
+    return [(a, v) for a, v in zip(args, args[1:]) if a in WEIGHT_FLAGS]
+
+
+def _daemon_args(pod: dict) -> list[str]:
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") == "daemon":
+            return list(c.get("args") or [])
+    return []
+
+
+def node_state(pod: dict, report: dict | None, error: str = "", current: str | None = None,
+               current_args: list[str] | None = None) -> NodeState:
     """One node's daemon from its pod and its report (None: not reachable, ERROR says why).
     CURRENT: the DaemonSet's pod-template hash; a pod of another is outdated, and an
-    outdated daemon is not ready for this spec (engines would not match its fingerprint)."""
+    outdated daemon is not ready for this spec (engines would not match its fingerprint),
+    unless CURRENT_ARGS (the template's daemon args) name the same weights it serves."""
     s = _node_state(pod, report, error)
     outdated = current is not None and (pod["metadata"].get("labels") or {}).get(REVISION_LABEL) != current
+    if outdated and current_args is not None and weight_args(_daemon_args(pod)) == weight_args(current_args):
+        outdated = False
     if outdated and s.state == READY:
         return NodeState(s.node, LOADING, "Outdated", "the daemon serves an earlier spec until the DaemonSet "
                          "replaces it", s.devices, None)
@@ -65,6 +88,8 @@ def node_state(pod: dict, report: dict | None, error: str = "", current: str | N
 
 def _node_state(pod: dict, report: dict | None, error: str) -> NodeState:
     node = pod["spec"].get("nodeName") or "(unscheduled)"
+    if report is not None and report.get("state") == HANDED_OVER:
+        return NodeState(node, LOADING, "HandedOver", report.get("message") or "handed over to a successor")
     if report is not None:
         state = report.get("state") if report.get("state") in (READY, LOADING, FAILED) else LOADING
         return NodeState(node, state, report.get("reason") or "", report.get("message") or "",
@@ -85,19 +110,29 @@ def _node_state(pod: dict, report: dict | None, error: str) -> NodeState:
     return NodeState(node, LOADING, "Starting", f"daemon pod is {why}" + (f"; status: {error}" if error else ""))
 
 
-def pick_pods(pods: list[dict]) -> dict[str, dict]:
-    """Node -> the pod that speaks for it: a live pod over a terminating one, then the newest."""
-    best: dict[str, dict] = {}
-    for p in pods:
-        node = p["spec"].get("nodeName")
-        if not node:
-            continue
-        key = (p["metadata"].get("deletionTimestamp") is None, p["metadata"].get("creationTimestamp") or "")
-        cur = best.get(node)
-        if cur is None or key > (cur["metadata"].get("deletionTimestamp") is None,
-                                 cur["metadata"].get("creationTimestamp") or ""):
-            best[node] = p
-    return best
+def _created(pod: dict) -> str:
+    return pod["metadata"].get("creationTimestamp") or ""
+
+
+def for_node(pods: list[tuple[dict, NodeState]]) -> NodeState:
+    """One node's state from all its daemon pods (pod, state): during a surge rollout the
+    old daemon serves until the new one beside it has taken its slabs over, so the node
+    is ready while either serves, and `rollout` says what is under way."""
+    ready = [(p, s) for p, s in pods if s.state == READY]
+    if not ready:
+        live = [(p, s) for p, s in pods if s.reason != "HandedOver"] or pods
+        return max(live, key=lambda ps: (ps[0]["metadata"].get("deletionTimestamp") is None, _created(ps[0])))[1]
+    serving, s = max(ready, key=lambda ps: _created(ps[0]))
+    others = [o for p, o in pods if p is not serving and p["metadata"].get("deletionTimestamp") is None]
+    if any(o.reason == TAKING_OVER for o in others):
+        note = "hand-off in progress: a new daemon is taking the resident slabs over"
+    elif any(o.reason == "HandedOver" or o.state == READY for o in others):
+        note = "hand-off done: the new daemon serves; the old daemon's pod is being replaced"
+    elif others:
+        note = "a new daemon pod is starting beside the serving one, to take its slabs over"
+    else:
+        return s
+    return NodeState(s.node, READY, s.reason, s.message, s.devices, s.progress, rollout=note)
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> dict:
@@ -172,8 +207,10 @@ def aggregate(cache: dict, daemonset: dict | None, states: list[NodeState], now:
         # Only daemons of an earlier spec left to replace: that is the rollout, not a load.
         outdated = len(by[LOADING]) == loading and all(s.reason == "Outdated" for s in by[LOADING])
         progressing = _condition("Progressing", True, "RollingOut" if outdated else "Loading", text, generation)
-    elif rolling:
-        progressing = _condition("Progressing", True, "RollingOut", "the daemon DaemonSet is rolling out", generation)
+    elif rolling or any(s.rollout for s in states):
+        notes = "; ".join(f"{s.node}: {s.rollout}" for s in sorted(states, key=lambda s: s.node) if s.rollout)
+        progressing = _condition("Progressing", True, "RollingOut", notes or "the daemon DaemonSet is rolling out",
+                                 generation)
     else:
         progressing = _condition("Progressing", False, "Stable", "nothing in progress", generation)
 

@@ -27,7 +27,12 @@ def http_json(url: str, body: bytes | None = None, method: str | None = None, he
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    """GET, or POST a JSON body: (status, JSON answer)."""
+    return http_json(url, None if body is None else json.dumps(body).encode(), timeout=timeout)
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):

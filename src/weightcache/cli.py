@@ -54,7 +54,11 @@ def _add_daemon(sub):
     p.add_argument("--ready-fd", type=int, help="write 'ready' to this inherited fd once serving")
     p.add_argument("--take-over", action="store_true",
                    help="if a live daemon serves this cache and device, take its resident slabs over its socket "
-                        "(nothing is read from disk), publish, and let it exit (a daemon upgrade without a reload)")
+                        "(nothing is read from disk), publish, and let it exit, or with its --http-bind wait for "
+                        "SIGTERM (a daemon upgrade without a reload); with none to take over from, load")
+    p.add_argument("--max-device-bytes", type=int, metavar="BYTES",
+                   help="refuse (reason OverBudget, before allocating) a shard larger than this per device; the "
+                        "operator sets it to what a per-GPU budget leaves beside a generation already resident")
     p.add_argument("--http-bind", type=host_port, metavar="HOST:PORT",
                    help="serve /healthz, /readyz, /metrics and /status here; a failed load then keeps the daemon "
                         "up, reporting why, instead of exiting")
@@ -73,7 +77,7 @@ def _cmd_daemon(args) -> int:
         tp_plan=args.tp_plan, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
         socket_group=args.socket_group, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_connections, max_slab_bytes=args.max_slab_mib << 20, load_workers=args.load_workers,
-        http_bind=args.http_bind, take_over=args.take_over,
+        http_bind=args.http_bind, take_over=args.take_over, max_device_bytes=args.max_device_bytes,
     )
     return run(config, ready_fd=args.ready_fd)
 

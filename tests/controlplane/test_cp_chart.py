@@ -330,9 +330,14 @@ def test_the_operator_replicas_start_and_become_ready(release):
     ("update", "daemonsets.apps", True), ("delete", "daemonsets.apps", True), ("watch", "pods", True),
     ("patch", "nodes", True), ("create", "events", True), ("patch", "clusterkopfpeerings.kopf.dev", True),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", True), ("watch", "namespaces", True),
-    # ... and nothing more: it never needs to write pods, read secrets, or remove what it
-    # does not own.
-    ("create", "pods", False), ("delete", "pods", False), ("get", "secrets", False), ("list", "secrets", False),
+    # Hot standby: it creates, promotes (patch) and deletes standby pods, and reads the
+    # Deployments and ReplicaSets they come from.
+    ("create", "pods", True), ("patch", "pods", True), ("delete", "pods", True), ("watch", "deployments.apps", True),
+    ("list", "replicasets.apps", True),
+    # ... and nothing more: it never needs to read secrets, write workloads, or remove what
+    # it does not own.
+    ("update", "pods", False), ("delete", "deployments.apps", False), ("delete", "replicasets.apps", False),
+    ("get", "secrets", False), ("list", "secrets", False),
     ("delete", "nodes", False), ("delete", "weightcaches.weightcache.io", False),
     ("create", "weightcaches.weightcache.io", False), ("update", "weightcaches.weightcache.io/status", False),
     ("update", "customresourcedefinitions.apiextensions.k8s.io", False), ("create", "deployments.apps", False),

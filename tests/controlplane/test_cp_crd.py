@@ -43,7 +43,7 @@ def test_a_minimal_cache_gets_its_defaults(crd, namespace):
 def test_get_shows_the_printer_columns(crd, namespace):
     create(crd, namespace, cache("shown"))
     header = crd.kubectl("get", "wc", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "AGE"]
+    assert header == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "ROLLOUT", "AGE"]
 
 
 def test_explain_documents_the_fields(crd):

@@ -24,8 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -33,6 +31,7 @@ import pytest
 import yaml
 
 from cluster import wait_for
+from procs import http
 from cluster.procs import free_port
 from cluster.testkit import condition, container_status, is_ready, ready_now
 from weightcache.demo import packaged_model_dir
@@ -62,15 +61,6 @@ pytestmark = pytest.mark.timeout(900)
 def wait(check, timeout: float, what: str):
     """wait_for at a pace that leaves the cores to the cluster (each poll is a kubectl)."""
     return wait_for(check, timeout, what, interval=0.5)
-
-
-def http(url: str, body: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
-    data = None if body is None else json.dumps(body).encode()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 def example_cache(name: str = CACHE, path: str = MODEL, **spec) -> dict:
@@ -257,7 +247,7 @@ def test_2_example_cache_loads_on_every_node_and_get_wc_shows_it(flow):
 
     # `kubectl get wc`, as the user reads it: the printer columns.
     header, row = flow.kubectl("get", "wc", CACHE).stdout.splitlines()
-    assert header.split() == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "AGE"], header
+    assert header.split() == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "ROLLOUT", "AGE"], header
     cells = row.split()
     assert cells[:4] == [CACHE, f"{n}/{n}", "cpu", st["size"].split()[0]] and cells[4] == "MiB", row
     shown = flow.kubectl("get", "wc", CACHE, "-o", "custom-columns=FINGERPRINT:.status.fingerprint,BYTES:.status.bytesPerGPU",

@@ -47,13 +47,14 @@ def test_one_owned_daemonset_with_the_contract_shape():
     assert c["args"] == ["daemon", "--model", "/models/llama", "--backend", "cuda-vmm", "--socket-dir",
                          "/run/weightcache/ml/llama", "--name", "llama", "--revision", "abc", "--tp-size", "1",
                          "--device", "all", "--http-bind", "$(POD_IP):9400", "--socket-group", "60100",
-                         "--allow-gid", "60100"]
+                         "--allow-gid", "60100", "--take-over"]
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert c["ports"] == [{"name": "http", "containerPort": 9400, "protocol": "TCP"}]
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"  # liveness waits until the process answers
     assert c["securityContext"] == {"privileged": True}
     assert "nvidia.com/gpu" not in repr(c.get("resources"))
     pod = ds["spec"]["template"]["spec"]
@@ -66,6 +67,17 @@ def test_one_owned_daemonset_with_the_contract_shape():
     assert mounts["model"] == {"name": "model", "mountPath": "/models/llama", "readOnly": True}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert "hostIPC" not in pod and "hostPID" not in pod
+
+
+def test_daemons_roll_by_surge_and_take_the_slabs_over():
+    """A changed template starts the new daemon pod beside the old one on the node (never
+    fewer daemons than nodes), and the new daemon takes the resident slabs over."""
+    spec = daemonset_for(cache())["spec"]
+    assert spec["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert "--take-over" in daemon({"spec": spec})["args"]
+    # Two daemon pods of a cache can share a node: no host network, no host port.
+    pod = spec["template"]["spec"]
+    assert not pod.get("hostNetwork") and all("hostPort" not in p for p in daemon({"spec": spec})["ports"])
 
 
 def test_the_cache_daemon_image_wins_over_the_operator_default():

@@ -4,7 +4,7 @@ the fingerprint and bytes, and conditions that keep their transition times."""
 import pytest
 
 from weightcache.operator.status import (FAILED, LOADING, READY, NodeState, aggregate, condition, human_bytes,
-                                         merge_conditions, node_state, pick_pods)
+                                         for_node, merge_conditions, node_state, weight_args)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
 
@@ -76,13 +76,56 @@ def test_a_daemon_of_an_older_template_is_not_ready_for_this_spec():
     assert failed.state == FAILED
 
 
-def test_pick_pods_prefers_live_then_newest():
+def daemon_pod(node, args, **kw):
+    p = pod(node, **kw)
+    p["spec"]["containers"] = [{"name": "daemon", "args": args}]
+    return p
+
+
+ARGS = ["daemon", "--model", "/m", "--backend", "cpu", "--revision", "", "--tp-size", "1", "--http-bind", "x:1"]
+
+
+def test_an_older_template_serving_the_same_weights_stays_ready_until_replaced():
+    """Only the image (or env, resources...) changed: the old daemon still serves what the
+    spec asks for; another revision does not."""
+    same = daemon_pod("n0", ARGS + ["--take-over"], ready=True, revision="old")
+    assert node_state(same, report(READY), current="new", current_args=ARGS + ["--take-over"]).state == READY
+    other = ["daemon", "--model", "/m", "--backend", "cpu", "--revision", "r2", "--tp-size", "1", "--http-bind", "y:2"]
+    s = node_state(same, report(READY), current="new", current_args=other)
+    assert (s.state, s.reason) == (LOADING, "Outdated")
+    assert weight_args(ARGS) == [("--model", "/m"), ("--backend", "cpu"), ("--revision", ""), ("--tp-size", "1")]
+
+
+def test_a_node_is_ready_while_either_daemon_of_a_surge_serves():
+    old = pod("n0", ready=True, created="2026-01-01T00:00:00Z")
+    new = pod("n0", created="2026-01-01T00:05:00Z")
+    serving = node_state(old, report(READY))
+    # The new pod starting, then taking over, then serving while the old waits for SIGTERM.
+    starting = for_node([(old, serving), (new, node_state(new, None, "connection refused"))])
+    assert starting.state == READY and "starting beside" in starting.rollout
+    taking = for_node([(old, serving), (new, node_state(new, report(LOADING, reason="TakingOver")))])
+    assert taking.state == READY and "hand-off in progress" in taking.rollout
+    done = for_node([(old, node_state(old, report("handed-over", message="waits"))),
+                     (new, node_state(new, report(READY)))])
+    assert done.state == READY and "hand-off done" in done.rollout
+    assert for_node([(new, node_state(new, report(READY)))]).rollout == ""
+    out = aggregate(cache(), ds(desired=1), [taking], T0)
+    assert condition(out, "Ready")["status"] == "True"
+    progressing = condition(out, "Progressing")
+    assert progressing["reason"] == "RollingOut" and "n0: hand-off in progress" in progressing["message"]
+
+
+def test_without_a_ready_daemon_the_live_newest_speaks():
     old = pod("n0", created="2026-01-01T00:00:00Z")
     new = pod("n0", created="2026-01-01T00:05:00Z")
     dying = pod("n0", created="2026-01-01T00:09:00Z", deleting=True)
-    assert pick_pods([old, dying, new])["n0"] is new
-    assert pick_pods([dying])["n0"] is dying
-    assert pick_pods([{"metadata": {}, "spec": {}}]) == {}
+    states = [(p, node_state(p, report(LOADING, message=p["metadata"]["creationTimestamp"])))
+              for p in (old, dying, new)]
+    assert for_node(states).message == "2026-01-01T00:05:00Z"
+    assert for_node(states[1:2]).message == "2026-01-01T00:09:00Z"
+    handed = node_state(new, report("handed-over"))
+    assert (handed.state, handed.reason) == (LOADING, "HandedOver")
+    assert for_node([(new, handed), (old, node_state(old, report(FAILED, reason="LoadFailed")))]).state == FAILED
 
 
 def test_all_ready():

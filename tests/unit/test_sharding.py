@@ -3,8 +3,9 @@ import pathlib
 import pytest
 
 from weightcache.client.errors import CheckpointError
+from weightcache.client.tp_plan import TpPlan, plan_for, shard_dim
 from weightcache.daemon.checkpoint import TensorSource
-from weightcache.daemon.sharding import TpPlan, plan_for, shard, shard_dim
+from weightcache.daemon.sharding import shard
 
 LLAMA_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",

@@ -1,10 +1,12 @@
 """The user's path, in order, against any cluster: install the chart, create the example
-cpu WeightCache, run the example engine Deployment on it, and upgrade the daemon image
-without a reload while the engines serve. The tests share one release and one
-namespace and run in file order; each names the promise it checks."""
+cpu WeightCache, run the example engine Deployment on it, upgrade the daemon image
+without a reload while the engines serve, and fail a primary over to its hot standby.
+The tests share one release and one namespace and run in file order; each names the
+promise it checks."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import threading
@@ -182,3 +184,56 @@ def test_4_a_daemon_image_upgrade_hands_the_slabs_over_while_engines_serve(kube,
     assert_verified(kube, app, "verify-after")
     for p in engines:
         assert infer(pod_http, p) == expected[p["metadata"]["name"]]
+
+
+# -- 5. a failover onto a hot standby -----------------------------------------------------------
+ROLE, STANDBY_FOR = "weightcache.io/role", "weightcache.io/standby-for"
+
+
+def ready_endpoint_ips(kube, ns, service: str) -> set[str]:
+    slices = kube.json("get", "endpointslices", "-n", ns, "-l", f"kubernetes.io/service-name={service}")["items"]
+    return {address for s in slices for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready") for address in e["addresses"]}
+
+
+def test_5_a_deleted_primary_fails_over_to_its_hot_standby(kube, app, pod_http):
+    selector = ENGINE["spec"]["selector"]["matchLabels"]
+    kube.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": ENGINE_NAME},
+                "spec": {"selector": selector, "ports": [{"port": 80, "targetPort": ENGINE_PORT}]}}, app)
+    primaries = engine_pods(kube, app)  # the selector's labels: standbys do not carry them
+    kube.kubectl("annotate", "deployment", ENGINE_NAME, "-n", app, "weightcache.io/hot-standby=1", "--overwrite")
+
+    def paired(primaries):
+        standbys = kube.json("get", "pods", "-n", app, "-l", f"{ROLE}=standby")["items"]
+        ready = {s["metadata"]["labels"][STANDBY_FOR]: s for s in standbys if pod_ready(s)}
+        return ready if all(p["metadata"]["name"] in ready for p in primaries) else None
+    standby_of = wait_for(lambda: paired(primaries), TIMEOUT, "a Ready standby beside every primary")
+    victim = primaries[0]
+    standby = standby_of[victim["metadata"]["name"]]
+    assert standby["spec"]["nodeName"] == victim["spec"]["nodeName"]
+    expected = infer(pod_http, victim)
+    # The apiserver refuses loopback addresses in EndpointSlices, so on the test control
+    # plane (loopback pod IPs) the EndpointSlice controller cannot list any pod; there the
+    # Service's membership is the pod's labels and readiness, checked below either way.
+    slices_work = not ipaddress.ip_address(victim["status"]["podIP"]).is_loopback
+    if slices_work:
+        assert standby["status"]["podIP"] not in ready_endpoint_ips(kube, app, ENGINE_NAME)
+
+    kube.kubectl("delete", "pod", victim["metadata"]["name"], "-n", app, "--wait=false")
+
+    def promoted():
+        p = kube.get("pod", standby["metadata"]["name"], "-n", app)
+        return p if p and p["metadata"]["labels"].get(ROLE) == "primary" and pod_ready(p) else None
+    now = wait_for(promoted, 60, f"standby {standby['metadata']['name']} promoted")
+    assert all(now["metadata"]["labels"].get(k) == v for k, v in selector.items()), now["metadata"]["labels"]
+    assert infer(pod_http, now) == expected
+    if slices_work:
+        wait_for(lambda: now["status"]["podIP"] in ready_endpoint_ips(kube, app, ENGINE_NAME), 60,
+                 "the promoted pod among the Service's ready endpoints")
+    events = kube.json("get", "events", "-n", app, "--field-selector", "reason=StandbyPromoted")["items"]
+    assert any(standby["metadata"]["name"] in e.get("message", "") for e in events), events
+
+    def settled():
+        pods = [p for p in engine_pods(kube, app) if not p["metadata"].get("deletionTimestamp")]
+        return len(pods) == REPLICAS and all(pod_ready(p) for p in pods) and paired(pods) is not None
+    wait_for(settled, TIMEOUT, f"{REPLICAS} Ready primaries again (one promoted), a new standby beside it")

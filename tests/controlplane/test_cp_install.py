@@ -533,7 +533,14 @@ def test_7_the_operator_killed_mid_reconcile_resumes_and_converges(flow):
     assert wc["status"]["nodes"]["ready"] == n and wc["status"]["readyNodes"] == f"{n}/{n}"
     args = flow.daemonset("kil")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--revision") + 1] == "r2", args
-    for p in flow.daemon_pods("kil"):
+
+    # The daemons roll by surge: the cache is Ready once the new daemon serves on every
+    # node, while the old pods may still be going. Ask the daemons that stay.
+    def rolled():
+        pods = flow.daemon_pods("kil")
+        return pods if len(pods) == n and not any(p["metadata"].get("deletionTimestamp") for p in pods) and all(
+            "r2" in p["spec"]["containers"][0]["args"] for p in pods) else None
+    for p in wait(rolled, 120, "only daemons of revision r2 left"):
         _, doc = http(f"http://{p['status']['podIP']}:{DAEMON_PORT}/status")
         assert doc["state"] == "ready" and doc["devices"][0]["fingerprint"] == wc["status"]["fingerprint"], doc
     wait(lambda: flow.labelled_nodes("kil") == set(c.nodes), 60, "every node labelled for the converged cache")

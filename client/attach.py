@@ -63,7 +63,8 @@ def list_sockets(socket_dir, cache_name: str | None = None, device: str | None =
     return found
 
 
-def _connect(path: pathlib.Path, timeout: float) -> socket.socket:
+def connect(path: pathlib.Path, timeout: float) -> socket.socket:
+    """A stream connection to a daemon's socket (paths over 107 bytes too)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -80,7 +81,7 @@ def request(path: pathlib.Path, req: "wire.Request", timeout: float, accept_fds:
 
     Error responses are raised as the matching exception; the socket is closed then.
     """
-    sock = _connect(path, timeout)
+    sock = connect(path, timeout)
     try:
         send_message(sock, req)
         response, fds = recv_message(sock, wire.Response, max_bytes=MAX_RESPONSE_BYTES,

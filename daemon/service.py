@@ -10,7 +10,6 @@ import hashlib
 import logging
 import os
 import pathlib
-import socket
 import stat
 import threading
 import time
@@ -21,7 +20,7 @@ from weightcache.client import fingerprint as fp
 from weightcache.client.errors import CheckpointError, ProtocolError, UnsupportedQuantization
 from weightcache.signals import stop_on_signal
 from weightcache.client.spawn import EXIT_ALREADY_SERVED
-from weightcache.client.attach import list_sockets, query_status
+from weightcache.client.attach import connect, list_sockets, query_status
 from weightcache.client.protocol import check_cache_name, reachable, socket_name
 from weightcache.client.tp_plan import plan_for
 
@@ -100,16 +99,11 @@ def generation_key(model_dir: pathlib.Path, revision: str) -> str:
 
 def _listening(path: pathlib.Path) -> bool:
     """Whether a live daemon accepts on this socket (a dead one's file refuses)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(2.0)
-        with reachable(path) as address:
-            sock.connect(address)  # the server takes a connect-and-close as a probe
+        connect(path, timeout=2.0).close()  # the server takes a connect-and-close as a probe
         return True
     except OSError:
         return False
-    finally:
-        sock.close()
 
 
 def claim(socket_dir: pathlib.Path, name: str, device: str, generation: str, *, after_handoff: bool = False) -> int:

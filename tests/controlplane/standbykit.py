@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 from cluster import wait_for
 from procs import http
-from test_cp_operator import CRD, WEIGHTCACHE, Operator, _connects, make_webhook_cert, webhook_configuration
+from test_cp_operator import Operator, start_operator, stop_operator
 
 ENGINE_PORT, AGENT_PORT, DAEMON_PORT = 8000, 9401, 9400
 ROLE, STANDBY_FOR = "weightcache.io/role", "weightcache.io/standby-for"
@@ -36,44 +35,12 @@ class Env:
         self.hook = ""
 
     def start(self) -> "Env":
-        c = self.cluster
-        c.kubectl("apply", "-f", str(CRD))
-        crds = subprocess.run([WEIGHTCACHE, "operator", "--print-peering-crds"], capture_output=True, text=True,
-                              check=True).stdout
-        c.kubectl("apply", "-f", "-", input=crds)
-        for crd in ("weightcaches.weightcache.io", "clusterkopfpeerings.kopf.dev"):
-            c.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
-        c.create_namespace(self.ns)
-        self.work.mkdir(parents=True, exist_ok=True)
-        make_webhook_cert(self.work)
-        self.operator = Operator(c, self.work)
-        self.operator.start(priority=100)
-        wait_for(lambda: _connects(self.operator.webhook_port), 30, "the webhook port", interval=0.2)
-        self.hook = f"weightcache-standby-{self.operator.peering}"
-        config = webhook_configuration(self.hook, self.operator.webhook_port, (self.work / "ca.crt").read_bytes())
-        # Only this namespace: other test modules may run their own operator and webhook.
-        config["webhooks"][0]["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": self.ns}}
-        c.kubectl("apply", "-f", "-", input=json.dumps(config))
+        self.operator, self.hook = start_operator(self.cluster, self.work, self.ns, "weightcache-standby",
+                                                  only_ns=True)
         return self
 
     def stop(self) -> None:
-        c = self.cluster
-        c.kubectl("delete", "deployments,services", "--all", "-n", self.ns, "--wait=false", check=False)
-        r = c.kubectl("get", "wc", "-n", self.ns, "-o", "json", check=False)
-        for item in json.loads(r.stdout)["items"] if r.returncode == 0 else []:
-            name = item["metadata"]["name"]
-            c.kubectl("annotate", "wc", name, "-n", self.ns, "weightcache.io/force-delete=true", "--overwrite",
-                      check=False)
-            c.kubectl("delete", "wc", name, "-n", self.ns, "--wait=false", check=False)
-        try:
-            wait_for(lambda: r.returncode or not c.kubectl_json("get", "wc", "-n", self.ns)["items"], 60,
-                     "caches deleted", interval=0.5)
-        finally:
-            if self.hook:
-                c.kubectl("delete", "mutatingwebhookconfiguration", self.hook, check=False)
-            if self.operator:
-                self.operator.stop_all()
-            c.kubectl("delete", "namespace", self.ns, "--wait=false", check=False)
+        stop_operator(self.cluster, self.operator, self.hook, self.ns, workloads="deployments,services")
 
     def operator_log(self) -> str:
         return self.operator.log(self.operator.procs[-1]) if self.operator and self.operator.procs else ""

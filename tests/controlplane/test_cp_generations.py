@@ -19,7 +19,7 @@ import pytest
 
 from cluster import wait_for
 from cluster.testkit import condition, is_ready, ready_now
-from test_cp_operator import CRD, WEIGHTCACHE, Operator, _connects, make_webhook_cert, webhook_configuration
+from test_cp_operator import start_operator, stop_operator
 from weightcache.demo import packaged_model_dir
 from weightcache.operator.generations import Generation, generation_node_label_key
 from weightcache.operator.manifests import node_label_key
@@ -41,39 +41,14 @@ def wait(check, timeout: float, what: str):
 
 @pytest.fixture(scope="module")
 def op(cluster, tmp_path_factory):
-    work = tmp_path_factory.mktemp("generations")
-    cluster.kubectl("apply", "-f", str(CRD))
-    crds = subprocess.run([WEIGHTCACHE, "operator", "--print-peering-crds"], capture_output=True, text=True,
-                          check=True).stdout
-    cluster.kubectl("apply", "-f", "-", input=crds)
-    for crd in ("weightcaches.weightcache.io", "clusterkopfpeerings.kopf.dev"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
-    cluster.create_namespace(NS)
     for node in cluster.nodes:
         shutil.copytree(packaged_model_dir(), cluster.node_root(node) / MODEL.lstrip("/"), dirs_exist_ok=True)
-    make_webhook_cert(work)
-    operator = Operator(cluster, work)
-    operator.active = operator.start(priority=100)
-    wait(lambda: _connects(operator.webhook_port), 30, "the webhook port")
-    hook = f"weightcache-gen-{operator.peering}"
-    config = webhook_configuration(hook, operator.webhook_port, (work / "ca.crt").read_bytes())
-    config["webhooks"][0]["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": NS}}
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(config))
+    operator, hook = start_operator(cluster, tmp_path_factory.mktemp("generations"), NS, "weightcache-gen",
+                                    only_ns=True)
     try:
         yield operator
     finally:
-        cluster.kubectl("delete", "deployments", "--all", "-n", NS, "--wait=false", check=False)
-        for item in cluster.kubectl_json("get", "wc", "-n", NS)["items"]:
-            name = item["metadata"]["name"]
-            cluster.kubectl("annotate", "wc", name, "-n", NS, "weightcache.io/force-delete=true", "--overwrite",
-                            check=False)
-            cluster.kubectl("delete", "wc", name, "-n", NS, "--wait=false", check=False)
-        try:
-            wait(lambda: not cluster.kubectl_json("get", "wc", "-n", NS)["items"], 90, "caches deleted")
-        finally:
-            cluster.kubectl("delete", "mutatingwebhookconfiguration", hook, check=False)
-            operator.stop_all()
-            cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        stop_operator(cluster, operator, hook, NS, workloads="deployments", timeout=90)
 
 
 # -- helpers ----------------------------------------------------------------------------

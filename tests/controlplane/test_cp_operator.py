@@ -122,39 +122,62 @@ def webhook_configuration(name: str, port: int, ca: bytes) -> dict:
                           "timeoutSeconds": 10, "reinvocationPolicy": "IfNeeded"}]}
 
 
-@pytest.fixture(scope="module")
-def op(cluster, tmp_path_factory):
-    work = tmp_path_factory.mktemp("operator")
+def start_operator(cluster, work: Path, ns: str, hook_prefix: str, only_ns: bool) -> tuple["Operator", str]:
+    """The CRDs, namespace NS, one operator replica and its webhook (ONLY_NS: for NS alone,
+    as other modules may run an operator of their own): (operator, webhook name)."""
     cluster.kubectl("apply", "-f", str(CRD))
     crds = subprocess.run([WEIGHTCACHE, "operator", "--print-peering-crds"], capture_output=True, text=True,
                           check=True).stdout
     cluster.kubectl("apply", "-f", "-", input=crds)
     for crd in ("weightcaches.weightcache.io", "clusterkopfpeerings.kopf.dev"):
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
-    cluster.create_namespace(NS)
-    for node in cluster.nodes:
-        shutil.copytree(packaged_model_dir(), cluster.node_root(node) / MODEL.lstrip("/"), dirs_exist_ok=True)
+    cluster.create_namespace(ns)
+    work.mkdir(parents=True, exist_ok=True)
     make_webhook_cert(work)
     operator = Operator(cluster, work)
     operator.active = operator.start(priority=100)
     wait(lambda: _connects(operator.webhook_port), 30, "the webhook port")
-    hook = f"weightcache-test-{operator.peering}"
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(
-        webhook_configuration(hook, operator.webhook_port, (work / "ca.crt").read_bytes())))
+    hook = f"{hook_prefix}-{operator.peering}"
+    config = webhook_configuration(hook, operator.webhook_port, (work / "ca.crt").read_bytes())
+    if only_ns:
+        config["webhooks"][0]["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": ns}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(config))
+    return operator, hook
+
+
+def stop_operator(cluster, operator: "Operator | None", hook: str, ns: str, workloads: str = "",
+                  timeout: float = 60) -> None:
+    """Undo start_operator: WORKLOADS (kinds, e.g. "deployments") and the caches of NS go,
+    force-deleted; then the webhook, the operator and the namespace."""
+    if workloads:
+        cluster.kubectl("delete", workloads, "--all", "-n", ns, "--wait=false", check=False)
+    listed = cluster.kubectl("get", "wc", "-n", ns, "-o", "json", check=False)
+    for item in json.loads(listed.stdout)["items"] if listed.returncode == 0 else []:
+        name = item["metadata"]["name"]
+        cluster.kubectl("annotate", "wc", name, "-n", ns, "weightcache.io/force-delete=true", "--overwrite",
+                        check=False)
+        cluster.kubectl("delete", "wc", name, "-n", ns, "--wait=false", check=False)
+    try:
+        if listed.returncode == 0:
+            wait(lambda: not cluster.kubectl_json("get", "wc", "-n", ns)["items"], timeout, "caches deleted")
+    finally:
+        if hook:
+            cluster.kubectl("delete", "mutatingwebhookconfiguration", hook, check=False)
+        if operator:
+            operator.stop_all()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def op(cluster, tmp_path_factory):
+    for node in cluster.nodes:
+        shutil.copytree(packaged_model_dir(), cluster.node_root(node) / MODEL.lstrip("/"), dirs_exist_ok=True)
+    operator, hook = start_operator(cluster, tmp_path_factory.mktemp("operator"), NS, "weightcache-test",
+                                    only_ns=False)
     try:
         yield operator
     finally:
-        for item in cluster.kubectl_json("get", "wc", "-n", NS)["items"]:
-            name = item["metadata"]["name"]
-            cluster.kubectl("annotate", "wc", name, "-n", NS, "weightcache.io/force-delete=true", "--overwrite",
-                            check=False)
-            cluster.kubectl("delete", "wc", name, "-n", NS, "--wait=false", check=False)
-        try:
-            wait(lambda: not cluster.kubectl_json("get", "wc", "-n", NS)["items"], 60, "caches deleted")
-        finally:
-            cluster.kubectl("delete", "mutatingwebhookconfiguration", hook, check=False)
-            operator.stop_all()
-            cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        stop_operator(cluster, operator, hook, NS)
 
 
 def _connects(port: int) -> bool:

@@ -29,6 +29,16 @@ def log_events(path) -> list[str]:
             if line.startswith("{")]
 
 
+def assert_the_successor_alone_serves(model, socket_dir, name: str) -> None:
+    """A new attach matches the disk, and the successor holds the lock: a third daemon
+    without --take-over is refused (exit 75)."""
+    with attach(model, socket_dir=socket_dir, cache_name=name) as attached:
+        assert compare_with_disk(attached.tensors, model) == []
+    third = subprocess.run([sys.executable, "-m", "weightcache", "daemon", "--model", str(model),
+                            "--socket-dir", str(socket_dir), "--name", name], capture_output=True, timeout=120)
+    assert third.returncode == 75, third.stderr
+
+
 def test_a_successor_takes_the_slabs_over_without_a_cold_load(small_model, socket_dir, daemons, engines):
     old = daemons.start(small_model, socket_dir, name="up")
     engine = engines(small_model, socket_dir, cache_name="up", fallback="error")
@@ -48,12 +58,7 @@ def test_a_successor_takes_the_slabs_over_without_a_cold_load(small_model, socke
     assert "handed over" in log_events(old.log_path)
 
     assert engine.ask("checksum")["checksum"] == before["checksum"]  # the engine attached to the old one serves on
-    with attach(small_model, socket_dir=socket_dir, cache_name="up") as attached:
-        assert compare_with_disk(attached.tensors, small_model) == []
-    # The successor holds the lock: a third daemon without --take-over still refuses.
-    third = subprocess.run([sys.executable, "-m", "weightcache", "daemon", "--model", str(small_model),
-                            "--socket-dir", str(socket_dir), "--name", "up"], capture_output=True, timeout=120)
-    assert third.returncode == 75, third.stderr
+    assert_the_successor_alone_serves(small_model, socket_dir, "up")
 
 
 def test_a_successor_that_leaves_without_publishing_changes_nothing(small_model, socket_dir, daemons):
@@ -109,12 +114,7 @@ def test_a_supervised_predecessor_hands_over_then_waits_for_sigterm(small_model,
     assert old.wait(timeout=30) == 0
     assert list_sockets(socket_dir) == [path], "the stopped predecessor left the successor's socket alone"
     assert engine.ask("checksum")["checksum"] == engine.hello["checksum"]
-    with attach(small_model, socket_dir=socket_dir, cache_name="pod") as attached:
-        assert compare_with_disk(attached.tensors, small_model) == []
-    # The successor now holds the lock alone.
-    third = subprocess.run([sys.executable, "-m", "weightcache", "daemon", "--model", str(small_model),
-                            "--socket-dir", str(socket_dir), "--name", "pod"], capture_output=True, timeout=120)
-    assert third.returncode == 75, third.stderr
+    assert_the_successor_alone_serves(small_model, socket_dir, "pod")
 
 
 def test_a_predecessor_that_cannot_hand_over_is_loaded_beside(small_model, socket_dir, daemons):

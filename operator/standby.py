@@ -181,20 +181,29 @@ def container_death(pod: dict) -> str | None:
     return None
 
 
-def replacement_wanted(rs: dict, rs_pods: list[dict], gone: str, since: str | None) -> bool:
+def deletion_requested(pod: dict) -> datetime.datetime | None:
+    """When the pod's deletion was asked for. Its deletionTimestamp is not that moment but
+    the end of its grace period, by which a replacement has often been created already."""
+    meta = pod["metadata"]
+    deadline = _time(meta.get("deletionTimestamp"))
+    if deadline is None:
+        return None
+    return deadline - datetime.timedelta(seconds=int(meta.get("deletionGracePeriodSeconds") or 0))
+
+
+def replacement_wanted(rs: dict, rs_pods: list[dict], gone: str, since: datetime.datetime | None) -> bool:
     """Whether the ReplicaSet will replace the pod named GONE (being deleted, or gone):
     it has fewer pods that count than it wants. Counted: its other pods that are not
     being deleted and are Ready or older than SINCE (the deletion's time). Not counted:
     a replacement the ReplicaSet already started. So a scale-down (the ReplicaSet keeps
     exactly what it wants) or a rollout's removal of old pods promotes nothing; a deleted
     or lost pod that the ReplicaSet will replace does."""
-    cutoff = _time(since)
     count = 0
     for p in rs_pods:
         if p["metadata"]["name"] == gone or is_terminating(p):
             continue
         created = _time(p["metadata"].get("creationTimestamp"))
-        if is_ready(p) or (cutoff is not None and created is not None and created <= cutoff):
+        if is_ready(p) or (since is not None and created is not None and created <= since):
             count += 1
     return count < int((rs.get("spec") or {}).get("replicas") or 0)
 
@@ -392,10 +401,10 @@ def plan(deployment: dict, rs: dict | None, pods: list[dict], standbys: list[dic
                 continue
         if primary is None:
             dead = "primary gone" if replacement_wanted(rs, list(primaries.values()), name,
-                                                        group[0]["metadata"].get("creationTimestamp")) else None
+                                                        _time(group[0]["metadata"].get("creationTimestamp"))) else None
         elif is_terminating(primary):
             dead = "primary deleted" if replacement_wanted(rs, list(primaries.values()), name,
-                                                           primary["metadata"]["deletionTimestamp"]) else None
+                                                           deletion_requested(primary)) else None
         else:
             dead = container_death(primary)
             if dead is None:

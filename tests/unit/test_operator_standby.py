@@ -263,6 +263,18 @@ def test_deleting_a_primary_promotes_when_the_replicaset_will_replace_it():
     assert [(x["metadata"]["name"], why) for x, _, why in out.promote] == [(s["metadata"]["name"], "primary deleted")]
 
 
+def test_a_replacement_created_within_the_grace_period_does_not_hide_the_deletion():
+    # Deleted at T1 with a 30 s grace period: deletionTimestamp is T1 + 30 s. The
+    # replacement the ReplicaSet created at T2, before that deadline, is still newer
+    # than the deletion itself and must not count as a pod the ReplicaSet keeps.
+    p = primary(deleting="2026-11-29T10:00:35Z")
+    p["metadata"]["deletionGracePeriodSeconds"] = 30
+    s = standby_of(p)
+    replacement = primary("eng-h2-new", ready=False, created=T2)
+    out = sb.plan(deployment(), replicaset(replicas=1), [p, replacement], [s], 1)
+    assert [(x["metadata"]["name"], why) for x, _, why in out.promote] == [(s["metadata"]["name"], "primary deleted")]
+
+
 def test_a_gone_primary_promotes_when_the_replicaset_will_replace_it():
     s = standby_of(primary())
     out = sb.plan(deployment(), replicaset(replicas=1), [], [s], 1)

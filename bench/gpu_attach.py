@@ -19,14 +19,13 @@ import datetime
 import json
 import pathlib
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from harness import disk_read_rate, drop_page_cache, print_table, repeat, run_child, write_report
+from harness import disk_read_rate, drop_page_cache, print_table, repeat, run_child, stop, write_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -122,11 +121,6 @@ def serve(model, socket_dir, backend, device, log_path, workers):
         proc = spawn_daemon(model, socket_dir, backend.replace("cuda-", ""), ["--backend", backend, "--device", device, "--load-workers", str(workers)],
                             stderr=log, timeout=1800)
         return proc, time.perf_counter() - start
-
-
-def stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
 
 
 def main() -> int:

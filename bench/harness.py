@@ -50,6 +50,14 @@ def repeat(label: str, n: int, fn) -> dict:
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "samples_ms": samples}
 
 
+def stop(proc, timeout: float = 120) -> None:
+    """SIGTERM a daemon the benchmark started and wait for it."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=timeout)
+
+
 def drop_page_cache() -> None:
     """Flush dirty pages, then drop the page cache (root only; raises OSError otherwise)."""
     os.sync()

@@ -15,14 +15,16 @@ the wire contract (wire_pb2, protocol, fingerprint) that the daemon imports.
 from .attach import AttachedWeights, attach, list_sockets, query_status
 from .bind import bind
 from .disk import compare_with_disk, load_from_disk
-from .errors import (BindError, CacheUnavailable, CheckpointError, FingerprintMismatch, PeerRejected,
-                     ProtocolError, UnsupportedQuantization, WeightCacheError)
+from .engine_cache import attach_or_publish
+from .errors import (BindError, CacheUnavailable, CheckpointError, FingerprintMismatch, NotPublished, PeerRejected,
+                     ProtocolError, PublishFailed, UnsupportedQuantization, WeightCacheError)
 from .fingerprint import Device, Parallelism
 from .load import ClientSettings, LoadedWeights, load_weights
+from .publish import publish
 
 __all__ = [
     "AttachedWeights", "BindError", "CacheUnavailable", "CheckpointError", "ClientSettings", "Device",
-    "FingerprintMismatch", "LoadedWeights", "Parallelism", "PeerRejected", "ProtocolError",
-    "UnsupportedQuantization", "WeightCacheError", "attach", "bind", "compare_with_disk", "list_sockets",
-    "load_from_disk", "load_weights", "query_status",
+    "FingerprintMismatch", "LoadedWeights", "NotPublished", "Parallelism", "PeerRejected", "ProtocolError",
+    "PublishFailed", "UnsupportedQuantization", "WeightCacheError", "attach", "attach_or_publish", "bind",
+    "compare_with_disk", "list_sockets", "load_from_disk", "load_weights", "publish", "query_status",
 ]

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 
 from . import fingerprint as fp
 from . import wire_pb2 as wire
-from .errors import CacheUnavailable, FingerprintMismatch, PeerRejected, ProtocolError
+from .errors import CacheUnavailable, FingerprintMismatch, NotPublished, PeerRejected, ProtocolError, PublishFailed
 from .mapping import build_views, map_slabs
-from .protocol import (MAX_RESPONSE_BYTES, PROTOCOL_VERSION, parse_socket_name, reachable, recv_message,
-                       send_message)
+from .protocol import MAX_RESPONSE_BYTES, PROTOCOL_VERSION, parse_socket_name, reachable, recv_message, send_message
 
 Error = wire.Error
 
@@ -96,6 +95,10 @@ def request(path: pathlib.Path, req: "wire.Request", timeout: float, accept_fds:
         err = response.error
         if err.code == Error.FINGERPRINT_MISMATCH:
             raise FingerprintMismatch(str(path), [(m.field, m.expected, m.actual) for m in err.mismatches])
+        if err.code == Error.NOT_PUBLISHED:
+            raise NotPublished(f"{path}: {err.message}")
+        if err.code in (Error.OVER_BUDGET, Error.PUBLISH_FAILED):
+            raise PublishFailed(f"{path}: daemon refused: {Error.Code.Name(err.code)}: {err.message}")
         raise PeerRejected(f"{path}: daemon refused: {Error.Code.Name(err.code)}: {err.message}")
     return sock, response, fds
 
@@ -138,7 +141,7 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
     for path in candidates:
         try:
             sock, response, fds = request(path, req, timeout, accept_fds=True)
-        except (FingerprintMismatch, PeerRejected) as exc:
+        except (FingerprintMismatch, PeerRejected, NotPublished) as exc:
             refusals.append(exc)
             attempts.append(str(exc))
             continue
@@ -150,21 +153,26 @@ def attach(model_dir=None, *, socket_dir, cache_name: str | None = None, device:
             continue
         phases["handshake"] = (time.perf_counter() - start) * 1e3 - sum(phases.values())
         try:
-            return _finish(sock, response, fds, path, start, phases)
+            return finish_attach(sock, response, fds, path, start, phases)
         except BaseException:
             sock.close()
             raise
     if refusals:
         # A daemon that answered and refused says more than a dead socket: raise its
-        # reason (a fingerprint mismatch first), with every attempt attached.
-        refusal = next((r for r in refusals if isinstance(r, FingerprintMismatch)), refusals[0])
+        # reason (a fingerprint mismatch first, then an empty store), with every attempt attached.
+        refusal = next((r for r in refusals if isinstance(r, FingerprintMismatch)),
+                       next((r for r in refusals if isinstance(r, NotPublished)), refusals[0]))
         refusal.attempts = attempts
         raise refusal
     raise CacheUnavailable(f"no daemon could serve cache {cache_name or '(any)'} on {device}", attempts)
 
 
-def _finish(sock, response, fds, path, start, phases) -> AttachedWeights:
+def finish_attach(sock, response, fds, path, start, phases) -> AttachedWeights:
+    """Map an Attached response's slabs read-only and build its views; the socket stays
+    open as the attachment."""
     if response.WhichOneof("kind") != "attached":
+        for fd in fds:
+            os.close(fd)
         raise ProtocolError(f"{path}: expected an Attached response, got {response.WhichOneof('kind')}")
     att = response.attached
     try:

@@ -43,3 +43,13 @@ class PeerRejected(CacheUnavailable):
 
 class BindError(WeightCacheError):
     """Attached tensors do not fit the module: names, shapes or dtypes left unmatched."""
+
+
+class NotPublished(CacheUnavailable):
+    """A store daemon answered, but no engine has published this cache yet: the engine
+    loads its own way and publishes (docs/protocol.md, "Publishing")."""
+
+
+class PublishFailed(CacheUnavailable):
+    """The daemon would not take, or dropped, this engine's publication (permission,
+    budget, a refused layout, a timeout); the message says which."""

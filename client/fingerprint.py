@@ -109,6 +109,24 @@ def compute(model_dir: pathlib.Path, *, revision: str = "", parallel: Parallelis
     )
 
 
+def for_engine(model_dir: pathlib.Path, *, engine: str, engine_version: str, dtype: str, settings: dict,
+               revision: str = "", parallel: Parallelism = Parallelism(),
+               device: Device = Device()) -> "wire.Fingerprint":
+    """The fingerprint of a cache an engine publishes in its own layout: the checkpoint's
+    identity, parallelism and device as for a loaded cache, plus the engine, its version,
+    the dtype its tensors have, and a hash of every other engine setting that changes
+    them (SETTINGS: JSON-able). Settings that leave the tensors alone (port, context
+    length, memory use) do not belong in SETTINGS."""
+    if not engine:
+        raise ValueError("a published cache must name its engine")
+    fingerprint = compute(model_dir, revision=revision, parallel=parallel, device=device)
+    fingerprint.dtype = dtype
+    fingerprint.engine = engine
+    fingerprint.engine_version = engine_version
+    fingerprint.engine_settings_hash = _hash_json(settings)
+    return fingerprint
+
+
 def fields(fp: "wire.Fingerprint") -> dict[str, object]:
     """Every field, defaults included, in declaration order."""
     return {f.name: getattr(fp, f.name) for f in fp.DESCRIPTOR.fields}

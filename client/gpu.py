@@ -190,6 +190,12 @@ class IpcMapping(_DeviceBuffer):
 def import_slabs(fds: list[int], sizes: list[int], device: str) -> list:
     """Map a daemon's slab fds read-only on `device`; one uint8 tensor per slab, all
     views on one mapping."""
+    return split(import_mapping(fds, sizes, device, read_only=True).tensor(), sizes)
+
+
+def import_mapping(fds: list[int], sizes: list[int], device: str, *, read_only: bool) -> Mapping:
+    """Import slab fds and map them back to back on `device` (writable only for a
+    publication's writer)."""
     ordinal = ordinal_for(device)
     make_current(ordinal)
     step = granularity(ordinal)
@@ -205,7 +211,11 @@ def import_slabs(fds: list[int], sizes: list[int], device: str) -> list:
         for handle in handles:
             driver.cuMemRelease(handle)
         raise
-    whole = Mapping(handles, sizes, ordinal, read_only=True).tensor()
+    return Mapping(handles, sizes, ordinal, read_only=read_only)
+
+
+def split(whole, sizes: list[int]) -> list:
+    """One uint8 view per slab of a mapping that holds them back to back."""
     slabs, offset = [], 0
     for size in sizes:
         slabs.append(whole.narrow(0, offset, size))

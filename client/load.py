@@ -76,7 +76,9 @@ class ClientSettings:
 @dataclass
 class LoadedWeights:
     tensors: dict
-    source: str  # "cache" or "disk"
+    # "cache" (attached), "published" (this engine loaded and published it, and holds the
+    # published copy) or "disk" (private tensors)
+    source: str
     reason: str  # why this source: the mode, or the failure that made it fall back
     attached: AttachedWeights | None = None
     load_ms: float | None = None  # disk loads only; attaches have attached.attach_ms
@@ -179,24 +181,27 @@ def _attach(model_dir, settings) -> AttachedWeights:
     return once()
 
 
-def start_daemon(model_dir, settings: ClientSettings) -> None:
-    """Start a detached daemon for this model and wait until it serves.
+def start_daemon(model_dir, settings: ClientSettings, *, store: bool = False) -> None:
+    """Start a detached daemon for this model and wait until it serves; with STORE, a
+    store daemon (no model) that this user may publish into.
 
     The daemon outlives this process (that is the point of a cache); its log goes to
-    <socket_dir>/<cache>.daemon.log. If another daemon for the same cache wins the
-    start race, wait for that one instead.
+    <socket_dir>/<cache>.daemon.log (<cache>.store.log for a store). If another daemon
+    for the same cache wins the start race, wait for that one instead.
     """
     name = settings.cache_name or default_cache_name(model_dir)
     socket_dir = pathlib.Path(settings.socket_dir)
     socket_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    log_path = socket_dir / f"{name}.daemon.log"
+    log_path = socket_dir / f"{name}.{'store' if store else 'daemon'}.log"
+    if store:
+        args = ["--allow-publish-uid", str(os.geteuid())]
+    else:
+        args = ["--revision", settings.revision, "--tp-size", str(settings.tp_size), "--tp-rank", str(settings.tp_rank)]
+    if settings.device != "cpu":
+        args += ["--backend", "cuda-vmm", "--device", settings.device]
     with open(log_path, "ab") as log_file:
         try:
-            args = ["--revision", settings.revision, "--tp-size", str(settings.tp_size),
-                    "--tp-rank", str(settings.tp_rank)]
-            if settings.device != "cpu":
-                args += ["--backend", "cuda-vmm", "--device", settings.device]
-            spawn_daemon(model_dir, socket_dir, name, args, detached=True,
+            spawn_daemon(None if store else model_dir, socket_dir, name, args, detached=True,
                          stdout=log_file, stderr=log_file, timeout=settings.start_timeout)
         except DaemonStartFailed as exc:
             if exc.returncode != EXIT_ALREADY_SERVED:

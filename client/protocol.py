@@ -24,12 +24,18 @@ _HEADER = struct.Struct(">4sI")
 
 # A request is a fingerprint and a few names; anything larger is hostile or broken.
 MAX_REQUEST_BYTES = 64 * 1024
+# A publication declares every tensor (names, shapes, strides): ~60 bytes each. Only a
+# peer allowed to publish may send a request this large.
+MAX_PUBLISH_REQUEST_BYTES = 16 * 1024 * 1024
 # A layout of 100,000 tensors is about 10 MB; leave room, but stay bounded.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 # Linux accepts at most 253 fds in one SCM_RIGHTS message (SCM_MAX_FD).
 MAX_FDS_PER_FRAME = 253
 
 SOCKET_SUFFIX = ".sock"
+# A store daemon's sockets carry this in place of a fingerprint digest: they serve every
+# fingerprint engines publish into them.
+STORE_TAG = "published"
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
 _DEVICE_RE = re.compile(r"^(cpu|GPU-[0-9a-fA-F-]{36})$")
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.

@@ -23,15 +23,15 @@ class DaemonStartFailed(CacheUnavailable):
 
 def spawn_daemon(model_dir, socket_dir, name: str, extra_args=(), *, detached: bool = False,
                  stdout=subprocess.DEVNULL, stderr=None, timeout: float = 600.0, env=None) -> subprocess.Popen:
-    """Run the daemon and return its process once it serves.
+    """Run the daemon and return its process once it serves (model_dir None: a store).
 
     detached: the daemon gets its own session and outlives the caller (mode=daemon).
     Raises DaemonStartFailed with the exit code when it exits or times out first.
     """
     read_end, write_end = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightcache", "daemon", "--model", str(model_dir), "--socket-dir", str(socket_dir),
-         "--name", name, "--ready-fd", str(write_end), *extra_args],
+        [sys.executable, "-m", "weightcache", "daemon", *(["--model", str(model_dir)] if model_dir else []),
+         "--socket-dir", str(socket_dir), "--name", name, "--ready-fd", str(write_end), *extra_args],
         pass_fds=(write_end,), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env,
         start_new_session=detached,
     )
@@ -51,5 +51,6 @@ def spawn_daemon(model_dir, socket_dir, name: str, extra_args=(), *, detached: b
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
-    raise DaemonStartFailed(f"daemon for {model_dir} (cache {name}) did not become ready within {timeout:.0f}s; "
+    what = f"daemon for {model_dir}" if model_dir else "store daemon"
+    raise DaemonStartFailed(f"{what} (cache {name}) did not become ready within {timeout:.0f}s; "
                             f"it exited with code {code}", code)

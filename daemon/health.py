@@ -32,6 +32,7 @@ class DaemonState:
     cache: str
     backend: str
     model: str
+    store: bool = False  # started without a model: engines publish into it
     state: str = LOADING
     reason: str = ""
     message: str = ""
@@ -74,19 +75,33 @@ class DaemonState:
             elapsed = time.monotonic() - self._started
             rate = self.loaded_bytes / elapsed if elapsed > 0 and self.state == LOADING else None
             remaining = self.total_bytes - self.loaded_bytes
-            devices = [{"device": cache.device, "socket": str(path), "fingerprint": fp.digest(cache.fingerprint),
-                        "fingerprint_fields": fp.fields(cache.fingerprint), "resident_bytes": cache.resident_bytes,
-                        "tensors": len(cache.layout.tensors.name), "attached_clients": server.attached_clients,
-                        # 0 when the slabs were taken over from a predecessor: no cold load
-                        "load_s": round(cache.load_s, 3)}
-                       for cache, server, path in self._served]
+            devices = [_device_status(cache, server, path) for cache, server, path in self._served]
             return {
                 "cache": self.cache, "state": self.state, "reason": self.reason, "message": self.message,
-                "backend": self.backend, "pid": os.getpid(), "model": self.model,
+                "backend": self.backend, "pid": os.getpid(), "model": self.model, "store": self.store,
                 "progress": {"loaded_bytes": self.loaded_bytes, "total_bytes": self.total_bytes,
                              "bytes_per_s": rate, "eta_s": remaining / rate if rate else None},
                 "devices": devices,
             }
+
+
+def _device_status(cache, server, path) -> dict:
+    """One device's part of the status document: the loaded cache's fingerprint (empty
+    for a store) and every cache it serves, each with its own bytes and engines."""
+    caches = [{"fingerprint": e.digest, "fingerprint_fields": fp.fields(e.cache.fingerprint),
+               "engine": e.cache.fingerprint.engine, "tensors": len(e.cache.layout.tensors.name),
+               "resident_bytes": e.cache.resident_bytes, "attached_clients": e.attached,
+               "publisher_uid": e.publisher_uid}
+              for e in server.catalog.entries()]
+    store = server.catalog.store
+    return {"device": cache.device, "socket": str(path),
+            "fingerprint": "" if store else fp.digest(cache.fingerprint),
+            "fingerprint_fields": {} if store else fp.fields(cache.fingerprint),
+            "resident_bytes": sum(c["resident_bytes"] for c in caches), "tensors": sum(c["tensors"] for c in caches),
+            "attached_clients": server.attached_clients,
+            # 0 when the slabs were taken over from a predecessor: no cold load
+            "load_s": round(cache.load_s, 3),
+            "budget_bytes": server.catalog.budget_bytes, "evictions": server.catalog.evictions, "caches": caches}
 
 
 class StateCollector:
@@ -111,11 +126,27 @@ class StateCollector:
         clients = GaugeMetricFamily("weightcache_attached_clients", "engines attached now", labels=labels)
         load_s = GaugeMetricFamily("weightcache_load_seconds", "seconds the slabs took to load from disk; 0 when "
                                    "taken over from a predecessor daemon", labels=labels)
+        each = ["cache", "device", "fingerprint", "engine"]
+        cache_bytes = GaugeMetricFamily("weightcache_cache_resident_bytes", "bytes held for one cache (fingerprint)",
+                                        labels=each)
+        cache_clients = GaugeMetricFamily("weightcache_cache_attached_clients", "engines attached to one cache",
+                                          labels=each)
+        caches = GaugeMetricFamily("weightcache_caches", "caches served (a store: those engines published)",
+                                   labels=labels)
+        evictions = GaugeMetricFamily("weightcache_evictions", "idle caches evicted to make room for publications",
+                                      labels=labels)
         for d in doc["devices"]:
             resident.add_metric([doc["cache"], d["device"]], d["resident_bytes"])
             clients.add_metric([doc["cache"], d["device"]], d["attached_clients"])
             load_s.add_metric([doc["cache"], d["device"]], d["load_s"])
-        yield from (ready, failed, loaded, total, resident, clients, load_s)
+            caches.add_metric([doc["cache"], d["device"]], len(d["caches"]))
+            evictions.add_metric([doc["cache"], d["device"]], d["evictions"])
+            for c in d["caches"]:
+                key = [doc["cache"], d["device"], c["fingerprint"][:12], c["engine"]]
+                cache_bytes.add_metric(key, c["resident_bytes"])
+                cache_clients.add_metric(key, c["attached_clients"])
+        yield from (ready, failed, loaded, total, resident, clients, load_s, caches, evictions, cache_bytes,
+                    cache_clients)
 
 
 def serve_http(host: str, port: int, state: DaemonState) -> ThreadingHTTPServer:

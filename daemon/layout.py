@@ -71,10 +71,16 @@ def plan_slabs(tensors, *, alignment: int = DEFAULT_ALIGNMENT,
     return SlabPlan(alignment, tuple(sizes), tuple(placements))
 
 
-def to_wire(plan: SlabPlan) -> "wire.Layout":
+def to_wire(plan: SlabPlan, slabs=()) -> "wire.Layout":
+    """The layout engines receive; with SLABS, each slab's size is the one its backend
+    allocated (rounded up, e.g. to the VMM granularity: engines map it all) and its
+    handle bytes are included (cuda-ipc)."""
     layout = wire.Layout(version=LAYOUT_VERSION, alignment=plan.alignment)
     for index, size in enumerate(plan.slab_sizes):
         layout.slabs.add(index=index, size=size)
+    for entry, slab in zip(layout.slabs, slabs):
+        entry.size = slab.size
+        entry.ipc_handle = slab.handle_bytes
     table = layout.tensors
     for p in sorted(plan.placements, key=lambda p: p.source.name):
         table.name.append(p.source.name)
@@ -84,5 +90,6 @@ def to_wire(plan: SlabPlan) -> "wire.Layout":
         table.nbytes.append(p.source.nbytes)
         table.ndim.append(len(p.source.shape))
         table.shape.extend(p.source.shape)
-        table.strides.extend(contiguous_strides(p.source.shape))
+        # A checkpoint's tensors are contiguous; a published one's strides are the writer's.
+        table.strides.extend(getattr(p.source, "strides", None) or contiguous_strides(p.source.shape))
     return layout

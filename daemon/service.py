@@ -1,5 +1,8 @@
 """A daemon's life: claim the cache, load it, publish the socket, serve until told to stop.
 
+Started without a model, the daemon is a store: it claims the cache, publishes its
+sockets at once (empty) and serves what engines publish into them (server.py).
+
 The socket file appears only once the slabs are sealed and the server listens (bound
 under a temporary name, then renamed), so its existence never means "loading"; still,
 clients treat only a successful handshake as ready.
@@ -17,20 +20,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from weightcache.client import fingerprint as fp
-from weightcache.client.errors import CheckpointError, ProtocolError, UnsupportedQuantization
-from weightcache.signals import stop_on_signal
-from weightcache.client.spawn import EXIT_ALREADY_SERVED
+from weightcache.client import wire_pb2 as wire
 from weightcache.client.attach import connect, list_sockets, query_status
-from weightcache.client.protocol import check_cache_name, reachable, socket_name
+from weightcache.client.errors import CheckpointError, ProtocolError, UnsupportedQuantization
+from weightcache.client.protocol import STORE_TAG, check_cache_name, reachable, socket_name
+from weightcache.client.spawn import EXIT_ALREADY_SERVED
 from weightcache.client.tp_plan import plan_for
 
+from weightcache.signals import stop_on_signal
+
 from .backends import canonical_devices, make_backend
+from .catalog import Catalog, OverBudget
 from .checkpoint import read_checkpoint
 from .health import DaemonState, serve_http
 from .layout import DEFAULT_MAX_SLAB_BYTES, plan_slabs, to_wire
 from .loader import fill_slabs
+from .server import AccessPolicy, CacheServer, Publishing, ResidentCache
 from .sharding import shard
-from .server import AccessPolicy, CacheServer, ResidentCache
 from .succession import TakeOverRefused, release_locks, step_aside, take_over_from, tell_predecessor
 
 log = logging.getLogger("weightcache.daemon")
@@ -40,13 +46,13 @@ class AlreadyServed(Exception):
     """Another live daemon holds this cache's lock."""
 
 
-class OverBudget(Exception):
-    """The planned shard does not fit the bytes per device this daemon may allocate."""
+# What names a store daemon's lock in place of a model generation.
+STORE_GENERATION = "store"
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    model_dir: pathlib.Path
+    model_dir: pathlib.Path | None  # None: a store, filled by the engines that publish into it
     socket_dir: pathlib.Path
     name: str
     backend: str = "cpu"
@@ -67,6 +73,14 @@ class DaemonConfig:
     # The most bytes of slabs per device (None: no limit): the operator's share of a
     # per-GPU budget while another generation of the cache is resident beside this one.
     max_device_bytes: int | None = None
+    # A store's writers (a separate permission from attaching) and how long one may fill.
+    allow_publish_uids: frozenset[int] = frozenset()
+    allow_publish_gids: frozenset[int] = frozenset()
+    commit_timeout: float = 600.0
+
+    @property
+    def store(self) -> bool:
+        return self.model_dir is None
 
 
 def prepare_socket_dir(path: pathlib.Path, group: int | None) -> None:
@@ -164,10 +178,7 @@ def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonS
         slab.seal()
     fingerprint = fp.compute(config.model_dir, revision=config.revision, parallel=parallel,
                              device=backend.fingerprint_device())
-    layout = to_wire(plan)
-    for entry, slab in zip(layout.slabs, slabs):
-        entry.size = slab.size  # backends round up (e.g. to the VMM granularity); engines map it all
-        entry.ipc_handle = slab.handle_bytes
+    layout = to_wire(plan, slabs)
     fds = [s.export_fd() for s in slabs]
     cache = ResidentCache(name=config.name, backend=backend.name, device=backend.device, fingerprint=fingerprint,
                           layout=layout, slab_fds=[fd for fd in fds if fd is not None],
@@ -175,15 +186,32 @@ def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonS
     return cache, slabs
 
 
+def empty_store(config: DaemonConfig, device: str) -> tuple[ResidentCache, list, None]:
+    """A store's device before any engine published: nothing resident, nothing to load."""
+    identity = ResidentCache(name=config.name, backend=config.backend, device=device, fingerprint=wire.Fingerprint(),
+                             layout=wire.Layout(), slab_fds=[], model_path="", load_s=0.0)
+    return identity, [], None
+
+
 def publish(config: DaemonConfig, cache: ResidentCache) -> tuple[CacheServer, pathlib.Path]:
-    final = config.socket_dir / socket_name(config.name, cache.device, fp.digest(cache.fingerprint))
+    if config.store:
+        catalog = Catalog(config.max_device_bytes, store=True)
+        publishing = Publishing(AccessPolicy(config.allow_publish_uids, config.allow_publish_gids),
+                                make_backend(config.backend, cache.device),
+                                commit_timeout=config.commit_timeout, max_slab_bytes=config.max_slab_bytes)
+        tag = STORE_TAG
+    else:
+        catalog, publishing, tag = Catalog(config.max_device_bytes), None, fp.digest(cache.fingerprint)
+        catalog.add_loaded(cache)
+    final = config.socket_dir / socket_name(config.name, cache.device, tag)
     with reachable(final):
         pass  # a name too long even through the directory's fd fails here, before binding
     temporary = final.with_name(f".{os.getpid()}.{cache.device}.binding")
     temporary.unlink(missing_ok=True)
     with reachable(temporary) as address:
-        server = CacheServer(address, cache, AccessPolicy(config.allow_uids, config.allow_gids),
-                             handshake_timeout=config.handshake_timeout, max_connections=config.max_connections)
+        server = CacheServer(address, catalog, AccessPolicy(config.allow_uids, config.allow_gids), identity=cache,
+                             publishing=publishing, handshake_timeout=config.handshake_timeout,
+                             max_connections=config.max_connections)
     os.chmod(temporary, 0o660 if config.socket_group is not None else 0o600)
     if config.socket_group is not None:
         os.chown(temporary, -1, config.socket_group)
@@ -192,10 +220,10 @@ def publish(config: DaemonConfig, cache: ResidentCache) -> tuple[CacheServer, pa
     return server, final
 
 
-def failure_reason(exc: BaseException, model_dir: pathlib.Path) -> str:
+def failure_reason(exc: BaseException, model_dir: pathlib.Path | None) -> str:
     """The CamelCase reason the status document (and the WeightCache) shows."""
     # A hostPath volume for a path missing on the node arrives as an empty directory.
-    if not model_dir.is_dir() or not any(model_dir.iterdir()):
+    if model_dir is not None and (not model_dir.is_dir() or not any(model_dir.iterdir())):
         return "ModelNotFound"
     if isinstance(exc, OverBudget):
         return "OverBudget"
@@ -265,6 +293,8 @@ def load_and_publish(config: DaemonConfig, devices: list[str], state: DaemonStat
     parallels = ranks_for(config.parallel, len(devices))
 
     def one(device: str, parallel: fp.Parallelism):
+        if config.store:
+            return empty_store(config, device)
         if device not in locks:
             lock, taken = succeed(config, device, generation, parallel, state)
             if taken is not None:
@@ -303,7 +333,12 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
     devices = canonical_devices(config.backend, config.devices)
     prepare_socket_dir(config.socket_dir, config.socket_group)
     locks: dict[str, int] = {}  # device -> lock fd; missing while another live daemon holds it
-    generation = generation_key(config.model_dir, config.revision)
+    if config.store and config.take_over:
+        raise ValueError("--take-over needs --model: a store daemon's publications cannot be handed over yet")
+    if config.store and config.backend == "cuda-ipc":
+        raise ValueError("a store needs handles that a writer can fill and that outlive the daemon: use --backend "
+                         "cpu or cuda-vmm (cuda-ipc memory dies with the process that allocated it)")
+    generation = STORE_GENERATION if config.store else generation_key(config.model_dir, config.revision)
     for device in devices:
         try:
             locks[device] = claim(config.socket_dir, config.name, device, generation)
@@ -312,7 +347,8 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
                 log.error(str(exc))
                 release_locks(locks)
                 return EXIT_ALREADY_SERVED
-    state = DaemonState(cache=config.name, backend=config.backend, model=str(config.model_dir))
+    state = DaemonState(cache=config.name, backend=config.backend, model=str(config.model_dir or ""),
+                        store=config.store)
     http = serve_http(*config.http_bind, state) if config.http_bind else None
     try:
         served = load_and_publish(config, devices, state, locks, generation)
@@ -328,7 +364,8 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
         return 1
     for cache, server, path, _, _ in served:
         threading.Thread(target=server.serve_forever, name="accept", daemon=True).start()
-        log.info("ready", extra={"fields": {"socket": str(path), "fingerprint": fp.digest(cache.fingerprint)[:12],
+        log.info("ready", extra={"fields": {"socket": str(path),
+                                            "fingerprint": "store" if config.store else fp.digest(cache.fingerprint)[:12],
                                             "tensors": len(cache.layout.tensors.name), "bytes": cache.resident_bytes,
                                             "load_s": round(cache.load_s, 3)}})
     for *_, handoff in served:
@@ -361,6 +398,7 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
         attached += server.attached_clients
         for slab in slabs:
             slab.close()
+        server.catalog.close()
     if http is not None:
         http.shutdown()
     release_locks(locks)

@@ -47,6 +47,17 @@ def wait_until(predicate, timeout: float = 10.0, what: str = "condition"):
         time.sleep(0.02)
 
 
+def read_json_line(proc: subprocess.Popen, log_path, timeout: float) -> dict:
+    """The next JSON line a child prints on its stdout; fails naming its exit code and log
+    tail if it says nothing within TIMEOUT."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else b""
+    if not line:
+        raise AssertionError(f"{pathlib.Path(proc.args[1]).name} {proc.pid} said nothing (exit {proc.poll()}); "
+                             f"stderr: {pathlib.Path(log_path).read_text()[-3000:]}")
+    return json.loads(line)
+
+
 class Daemons:
     def __init__(self, log_dir: pathlib.Path):
         self.log_dir = log_dir
@@ -83,12 +94,7 @@ class Engine:
         self.hello = self.read(timeout=60)
 
     def read(self, timeout: float = 30.0) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else b""
-        if not line:
-            raise AssertionError(f"engine {self.proc.pid} said nothing (exit {self.proc.poll()}); "
-                                 f"stderr: {pathlib.Path(self.log_path).read_text()[-2000:]}")
-        return json.loads(line)
+        return read_json_line(self.proc, self.log_path, timeout)
 
     def ask(self, command: str) -> dict:
         self.proc.stdin.write(command.encode() + b"\n")

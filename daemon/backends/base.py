@@ -9,6 +9,11 @@ from abc import ABC, abstractmethod
 from weightcache.client.fingerprint import Device
 
 
+class SealRefused(Exception):
+    """A slab could not be made immutable (a writer still maps it writable, or tampered
+    with it); the message says what was found."""
+
+
 class Slab(ABC):
     size: int
 
@@ -25,7 +30,8 @@ class Slab(ABC):
 
     @abstractmethod
     def seal(self) -> None:
-        """Make the slab immutable; called once, after filling, before it is exported."""
+        """Make the slab immutable; called once, after filling, before it is served
+        read-only. Raises SealRefused when the slab cannot be trusted to stay as filled."""
 
     @abstractmethod
     def export_fd(self) -> int | None:

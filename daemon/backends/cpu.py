@@ -12,9 +12,12 @@ import os
 from weightcache.client.errors import CheckpointError
 from weightcache.client.fingerprint import Device
 
-from .base import Backend, Slab
+from .base import Backend, SealRefused, Slab
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+# The size is fixed from the start (a writer filling a published slab must not resize
+# it behind the daemon's back); writes and further seals end when the slab is sealed.
+_SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_SEALS = _SIZE_SEALS | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
 def _read_fully(fd: int, target: memoryview, file_offset: int) -> None:
@@ -31,8 +34,13 @@ class MemfdSlab(Slab):
     def __init__(self, size: int, label: str):
         self.size = size
         self._fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self._fd, size)
-        self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            os.ftruncate(self._fd, size)
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SIZE_SEALS)
+            self._map = mmap.mmap(self._fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self._fd)
+            raise
         self._view = memoryview(self._map)
 
     def write_from_file(self, fd, file_offset, slab_offset, nbytes):
@@ -50,9 +58,21 @@ class MemfdSlab(Slab):
 
     def seal(self):
         # F_SEAL_WRITE is refused while a writable shared mapping exists: drop ours first.
-        self._view.release()
-        self._map.close()
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+        if self._map is not None:
+            self._view.release()
+            self._map.close()
+            self._map = None
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+        except PermissionError:  # somebody else added F_SEAL_SEAL first
+            raise SealRefused("its seals were locked by another process (F_SEAL_SEAL) before the daemon sealed it")
+        except OSError as exc:  # EBUSY: a writable shared mapping remains, in a writer
+            raise SealRefused(f"{exc.strerror}: a process still maps it writable; unmap every slab before "
+                              "committing") from None
+        seals, actual = fcntl.fcntl(self._fd, fcntl.F_GET_SEALS), os.fstat(self._fd).st_size
+        if seals & _SEALS != _SEALS or actual != self.size:
+            raise SealRefused(f"it holds {actual} bytes with seals {seals:#x}; expected {self.size} bytes sealed "
+                              f"{_SEALS:#x}")
 
     def export_fd(self):
         return self._fd

@@ -53,6 +53,7 @@ class CudaVmmBackend(Backend):
         self._staging = Staging()
 
     def allocate(self, size, label):
+        gpu.make_current(self._ordinal)  # a store allocates on the writer's connection thread
         rounded = -(-size // self._granularity) * self._granularity
         return VmmSlab(rounded, self._ordinal, self._staging)
 

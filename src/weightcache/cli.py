@@ -26,10 +26,13 @@ def _parallel(args):
 
 
 def _add_daemon(sub):
-    p = sub.add_parser("daemon", help="load a model and serve it over a Unix socket (foreground)",
+    p = sub.add_parser("daemon", help="load a model (or hold what engines publish) and serve it over a Unix socket",
                        description="Load a model's weights once into sealed slabs and serve them to engines "
-                                   "over a Unix socket until SIGTERM.")
-    p.add_argument("--model", required=True, type=pathlib.Path, help="model directory (config.json, *.safetensors)")
+                                   "over a Unix socket until SIGTERM. Without --model the daemon is a store: it "
+                                   "starts empty and serves what engines in their own layout (vLLM) publish "
+                                   "into it (--allow-publish-uid/--allow-publish-gid).")
+    p.add_argument("--model", type=pathlib.Path,
+                   help="model directory (config.json, *.safetensors); omit for a store that engines publish into")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda-vmm", "cuda-ipc"], help="memory backend (default: cpu)")
     p.add_argument("--device", action="append", dest="devices",
                    help="GPU UUID or ordinal for the GPU backends, repeatable, or 'all' (default: 0); one socket "
@@ -44,6 +47,14 @@ def _add_daemon(sub):
     p.add_argument("--allow-uid", type=int, action="append", default=[],
                    help="peer uid allowed to connect (repeatable; default: the daemon's own uid)")
     p.add_argument("--allow-gid", type=int, action="append", default=[], help="peer gid allowed to connect (repeatable)")
+    p.add_argument("--allow-publish-uid", type=int, action="append", default=[],
+                   help="a store's writers: peer uid allowed to publish (repeatable; default: nobody). Attaching "
+                        "needs --allow-uid/--allow-gid; publishing needs this, and a reader can never publish")
+    p.add_argument("--allow-publish-gid", type=int, action="append", default=[],
+                   help="peer gid allowed to publish into a store (repeatable)")
+    p.add_argument("--commit-timeout", type=float, default=600.0,
+                   help="seconds a writer has from receiving its slabs to committing them (default 600); a "
+                        "publication not committed in time is dropped and freed")
     p.add_argument("--socket-group", type=int,
                    help="share the socket directory (0750) and sockets (0660) with this gid; default private (0700/0600)")
     p.add_argument("--handshake-timeout", type=float, default=5.0, help="seconds a client has to send its request")
@@ -71,13 +82,20 @@ def _cmd_daemon(args) -> int:
     from weightcache.daemon.service import DaemonConfig, run
 
     uids = frozenset(args.allow_uid) or frozenset({os.geteuid()})
+    if args.model is None and not args.name:
+        raise ValueError("a store (no --model) needs --name")
+    if args.model is None and not (args.allow_publish_uid or args.allow_publish_gid):
+        raise ValueError("a store (no --model) needs writers: --allow-publish-uid or --allow-publish-gid")
     config = DaemonConfig(
-        model_dir=args.model.resolve(), socket_dir=args.socket_dir, name=args.name or default_cache_name(args.model),
+        model_dir=args.model.resolve() if args.model else None, socket_dir=args.socket_dir,
+        name=args.name or default_cache_name(args.model),
         backend=args.backend, devices=tuple(args.devices or ["0"]), revision=args.revision, parallel=_parallel(args),
         tp_plan=args.tp_plan, allow_uids=uids, allow_gids=frozenset(args.allow_gid),
         socket_group=args.socket_group, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_connections, max_slab_bytes=args.max_slab_mib << 20, load_workers=args.load_workers,
         http_bind=args.http_bind, take_over=args.take_over, max_device_bytes=args.max_device_bytes,
+        allow_publish_uids=frozenset(args.allow_publish_uid), allow_publish_gids=frozenset(args.allow_publish_gid),
+        commit_timeout=args.commit_timeout,
     )
     return run(config, ready_fd=args.ready_fd)
 

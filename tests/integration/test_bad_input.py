@@ -226,7 +226,13 @@ def python_for_nobody() -> str:
 def status_as_nobody(sd, when="prompt", groups=()) -> "wire.Response":
     """Send a status request from a process running as uid/gid 65534 (with these
     supplementary groups); the daemon's answer."""
-    done = subprocess.run([python_for_nobody(), "-c", PEER_SCRIPT, str(the_socket(sd)), status_frame().hex(), when],
+    return send_as_nobody(the_socket(sd), status_frame(), when, groups)
+
+
+def send_as_nobody(path, data: bytes, when="prompt", groups=()) -> "wire.Response":
+    """Send raw bytes to the socket at PATH from a process running as uid/gid 65534
+    (with these supplementary groups); the daemon's answer."""
+    done = subprocess.run([python_for_nobody(), "-c", PEER_SCRIPT, str(path), data.hex(), when],
                           user=NOBODY, group=NOBODY, extra_groups=list(groups), capture_output=True, text=True,
                           timeout=120, cwd="/")
     assert done.returncode == 0, done.stderr

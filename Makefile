@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Re-install only when the package metadata changed.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test unit integration bench-cpu proto install e2e e2e-kind
+.PHONY: demo test unit integration bench-cpu proto install e2e e2e-kind vllm-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/weightcache demo
 
-test: $(STAMP) cluster-build
+test: $(STAMP) cluster-build vllm-venv
 	$(PY) -m pytest tests
+
+# Real vLLM (its CPU build) for tests/vllm/ and bench/vllm_restart.py, in a venv of its
+# own (vLLM pins an older torch), cached outside the checkout: ~6 min and 6 GB once,
+# seconds after (tests/vllm/venv.sh).
+vllm-venv:
+	PYTHON=$(PYTHON) bash tests/vllm/venv.sh
 
 # Regenerate the wire contract's Python module from proto/ (tests check it is current).
 proto: $(STAMP)

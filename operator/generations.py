@@ -214,8 +214,18 @@ class Plan:
     waiting: tuple[str, str] | None = None
 
 
-def plan(desired: Generation, strategy: str, budget: int | None, live: list[Observed]) -> Plan:
-    """The pass for DESIRED (the spec's generation) given the LIVE DaemonSets of the cache."""
+def plan(desired: Generation, strategy: str, budget: int | None, live: list[Observed], store: bool = False) -> Plan:
+    """The pass for DESIRED (the spec's generation) given the LIVE DaemonSets of the cache.
+
+    STORE (spec.source Published): one store serves every generation (its daemon names
+    no model; engines of a new revision publish beside the old one's tensors, and the
+    store evicts idle ones when its budget needs room), so a model change just moves
+    the one DaemonSet to the new generation, in place, never waiting: its pods do not
+    change. A second store of the cache on a node could not start (its lock is held)."""
+    if store:
+        slot = next((o.slot for o in live if o.generation == desired), None) or \
+            (live[0].slot if live else SLOTS[0])
+        return Plan(keep=[(slot, desired, None)], delete=[o.slot for o in live if o.slot != slot], target_slot=slot)
     target = next((o for o in live if o.generation == desired), None)
     others = [o for o in live if o is not target]
     held = [o for o in others if o.held]

@@ -28,6 +28,7 @@ FORCE_DELETE_ANNOTATION = "weightcache.io/force-delete"
 SOCKET_ROOT = "/run/weightcache"
 DAEMON_HTTP_PORT = 9400
 GPU_NODE_LABEL = "nvidia.com/gpu.present"  # the default placement of GPU backends
+CHECKPOINT, PUBLISHED = "Checkpoint", "Published"  # spec.source
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,28 @@ def device_args(spec: dict) -> list[str]:
     return [a for d in devices for a in ("--device", d)]
 
 
+def is_store(spec: dict) -> bool:
+    """spec.source Published: the daemons start empty and engines publish into them."""
+    return spec.get("source", CHECKPOINT) == PUBLISHED
+
+
+def store_args(cache: dict, defaults: Defaults = Defaults()) -> list[str]:
+    """A store's daemon: no model, no parallelism (what an engine publishes carries its
+    own), the client group allowed to attach AND to publish (engine pods get that group:
+    the first engine on a node is the writer), and no --take-over (a store's
+    publications cannot be handed over yet: the daemon refuses the flag)."""
+    meta, spec = cache["metadata"], cache["spec"]
+    gid = str(defaults.client_gid)
+    return ["daemon", "--backend", spec.get("backend", "cuda-vmm"),
+            "--socket-dir", socket_dir_for(meta["namespace"], meta["name"]), "--name", meta["name"],
+            *device_args(spec), "--http-bind", f"$(POD_IP):{DAEMON_HTTP_PORT}",
+            "--socket-group", gid, "--allow-gid", gid, "--allow-publish-gid", gid]
+
+
 def daemon_args(cache: dict, defaults: Defaults = Defaults()) -> list[str]:
     meta, spec = cache["metadata"], cache["spec"]
+    if is_store(spec):
+        return store_args(cache, defaults)
     parallelism = spec.get("parallelism") or {}
     return ["daemon", "--model", spec["model"]["path"], "--backend", spec.get("backend", "cuda-vmm"),
             "--socket-dir", socket_dir_for(meta["namespace"], meta["name"]), "--name", meta["name"],
@@ -135,6 +156,18 @@ def node_selector(spec: dict) -> dict[str, str]:
     return {} if spec.get("backend", "cuda-vmm") == "cpu" else {GPU_NODE_LABEL: "true"}
 
 
+def update_strategy(store: bool) -> dict:
+    """Checkpoint daemons roll by surge: the new daemon pod starts beside the old one on
+    each node and takes its slabs over (no reload, no gap); the old pod goes once the new
+    one is Ready. A store cannot be handed over and a second store of the cache on a node
+    refuses to start (its lock is held), so a store's pod is replaced: the old one stops
+    (engines attached to it keep their mappings), the new one starts empty, and the
+    engines that start after it publish again."""
+    if store:
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
 def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
     """The one DaemonSet that runs CACHE's daemon on every selected node."""
     meta, spec = cache["metadata"], cache["spec"]
@@ -163,11 +196,14 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
         "volumeMounts": [{"name": "sockets", "mountPath": sockets},
                          {"name": "model", "mountPath": spec["model"]["path"], "readOnly": True}],
     }
+    store = is_store(spec)
+    if store:  # a store reads no checkpoint: only the engines mount the model
+        container["volumeMounts"] = container["volumeMounts"][:1]
     if daemon.get("resources"):
         container["resources"] = copy.deepcopy(daemon["resources"])
     pod_spec = {
         "containers": [container],
-        "volumes": [socket_volume(ns, name), model_volume(spec)],
+        "volumes": [socket_volume(ns, name)] + ([] if store else [model_volume(spec)]),
         "automountServiceAccountToken": False,  # the daemon never calls the API
         "terminationGracePeriodSeconds": 30,
     }
@@ -191,9 +227,7 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
                      "ownerReferences": [owner_reference(cache)]},
         "spec": {
             "selector": {"matchLabels": labels},
-            # Surge: the new daemon pod starts beside the old one on each node and takes its
-            # slabs over (no reload, no gap); the old pod goes once the new one is Ready.
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "updateStrategy": update_strategy(store),
             "revisionHistoryLimit": 5,
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 from . import generations as gens
-from .manifests import (CACHE_LABEL, DAEMON_APP, NAME_LABEL, NODE_READY, Defaults, model_volume,
+from .manifests import (CACHE_LABEL, DAEMON_APP, NAME_LABEL, NODE_READY, Defaults, is_store, model_volume,
                         node_label_key, socket_dir_for, socket_volume)
 
 AGENT = "weightcache-agent"
@@ -67,7 +67,10 @@ def agent_container(cache: dict, defaults: Defaults) -> dict:
         "args": ["agent", "--socket-dir", socket_dir_for(meta["namespace"], meta["name"]), "--cache", meta["name"],
                  "--model", spec["model"]["path"], "--revision", spec["model"].get("revision", ""),
                  "--tp-size", str((spec.get("parallelism") or {}).get("tensor", 1)),
-                 "--http-bind", f"$(POD_IP):{AGENT_PORT}", "--report-file", REPORT_FILE],
+                 "--http-bind", f"$(POD_IP):{AGENT_PORT}", "--report-file", REPORT_FILE,
+                 # A store: ready once it answers (what the engine will publish or attach
+                 # to is the engine's own fingerprint, which only the engine can compute).
+                 *(["--store"] if is_store(spec) else [])],
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "wc-agent", "containerPort": AGENT_PORT, "protocol": "TCP"}],
         # A native sidecar: started before the app containers, which wait for its

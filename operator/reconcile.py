@@ -26,7 +26,7 @@ from . import managed
 from . import status as st
 from .kube import ApiError, Kube
 from .manifests import (CACHE_LABEL, DAEMON_APP, DAEMON_HTTP_PORT, FORCE_DELETE_ANNOTATION, NAME_LABEL, NODE_READY,
-                        Defaults, daemon_labels, daemonset_for, node_label_key)
+                        Defaults, daemon_labels, daemonset_for, is_store, node_label_key)
 from .passes import SerialPasses
 
 log = logging.getLogger("weightcache.operator")
@@ -158,7 +158,7 @@ class Reconciler:
         desired = gens.desired_generation(cache)
         strategy, budget = gens.rollout_of(cache["spec"])
         live = self.observe_generations(cache)
-        decided = gens.plan(desired, strategy, budget, live)
+        decided = gens.plan(desired, strategy, budget, live, store=is_store(cache["spec"]))
         problem, kept = None, {}
         for slot, generation, allowance in decided.keep:
             want = gens.generation_daemonset(cache, generation, slot, self.defaults, allowance)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .manifests import is_store
+
 READY, LOADING, FAILED = "ready", "loading", "failed"
 HANDED_OVER = "handed-over"  # a daemon whose successor took its slabs over; it waits to be stopped
 TAKING_OVER = "TakingOver"  # a new daemon's reason while it waits for the one it replaces
@@ -214,7 +216,9 @@ def aggregate(cache: dict, daemonset: dict | None, states: list[NodeState], now:
     else:
         progressing = _condition("Progressing", False, "Stable", "nothing in progress", generation)
 
-    summary = f"{ready}/{desired} nodes ready"
+    store = is_store(cache.get("spec") or {})
+    caches = published_caches(states) if store else []
+    summary = store_summary(ready, desired, caches) if store else f"{ready}/{desired} nodes ready"
     if deleting:
         ready_c = _condition("Ready", False, "Deleting", deleting[1], generation)
     elif desired == 0:
@@ -226,7 +230,7 @@ def aggregate(cache: dict, daemonset: dict | None, states: list[NodeState], now:
         ready_c = _condition("Ready", False, "NodesFailed" if failed else "NodesLoading", summary, generation)
 
     old = (cache.get("status") or {}).get("conditions") or []
-    return {
+    out = {
         "observedGeneration": generation,
         "conditions": merge_conditions(old, [ready_c, progressing, degraded], now),
         "nodes": {"desired": desired, "loading": loading, "ready": ready, "failed": failed, "failures": failures},
@@ -236,6 +240,48 @@ def aggregate(cache: dict, daemonset: dict | None, states: list[NodeState], now:
         "size": human_bytes(per_gpu) if per_gpu else "",
         "attachedClients": attached,
     }
+    if store or "caches" in (cache.get("status") or {}):  # [] clears a store's list after a switch
+        out["caches"] = caches
+    return out
+
+
+MAX_CACHES = 32  # status.caches holds at most this many entries (the CRD's maxItems)
+
+
+def published_caches(states: list[NodeState]) -> list[dict]:
+    """What engines published into the ready stores, one entry per fingerprint: the
+    engine, its version and dtype, on how many nodes, the engines attached to it and
+    the most bytes one device holds for it. Most widely held first."""
+    by: dict[str, dict] = {}
+    for s in states:
+        if s.state != READY:
+            continue
+        for d in s.devices:
+            for c in d.get("caches") or []:
+                digest = c.get("fingerprint") or ""
+                fields = c.get("fingerprint_fields") or {}
+                e = by.setdefault(digest, {"engine": c.get("engine") or fields.get("engine") or "",
+                                           "engineVersion": str(fields.get("engine_version") or ""),
+                                           "dtype": str(fields.get("dtype") or ""), "fingerprint": digest,
+                                           "nodes": set(), "attachedClients": 0, "bytesPerGPU": 0})
+                e["nodes"].add(s.node)
+                e["attachedClients"] += int(c.get("attached_clients") or 0)
+                e["bytesPerGPU"] = max(e["bytesPerGPU"], int(c.get("resident_bytes") or 0))
+    out = [{**e, "nodes": len(e["nodes"]), "size": human_bytes(e["bytesPerGPU"])} for e in by.values()]
+    out.sort(key=lambda e: (-e["nodes"], -e["attachedClients"], e["engine"], e["fingerprint"]))
+    return out[:MAX_CACHES]
+
+
+def store_summary(ready: int, desired: int, caches: list[dict]) -> str:
+    """The Ready message of a store cache: it is ready when it serves, empty or not."""
+    head = f"store ready on {ready}/{desired} nodes"
+    if not caches:
+        return f"{head}; empty: the first engine on each node publishes"
+    shown = "; ".join(f"{c['engine'] or 'engine'} {c['engineVersion']} {c['dtype']} ({c['size']}) on "
+                      f"{c['nodes']}/{desired} nodes, {c['attachedClients']} attached".replace("  ", " ")
+                      for c in caches[:3])
+    more = f" and {len(caches) - 3} more" if len(caches) > 3 else ""
+    return f"{head}; {len(caches)} published: {shown}{more}"
 
 
 def ready_nodes(states: list[NodeState]) -> set[str]:

@@ -13,6 +13,15 @@ Once ready it keeps checking: a daemon that goes away turns /ready to 503 and /s
 says why; the agent does not exit (attached engines keep their memory either way).
 HTTP: GET /ready, /healthz, /status (cache state, the daemon's fingerprint digest,
 attached clients, and the engine's report from --report-file).
+
+With --store (a WeightCache of source Published) the node's daemon is a store that
+engines publish into, and what an engine will ask it for is the engine's own
+fingerprint (vLLM's, with its version and settings), which the agent cannot compute.
+It is Ready once a store of the cache answers the status handshake on its
+`<cache>__<device>__published.sock`, empty or not: the first engine on the node
+publishes, later ones attach. /status lists what the store holds (each cache's engine,
+fingerprint, bytes, attached engines, and whether it was made from --model's
+checkpoint), and the engine's report says which it did (`published` or `cache`).
 """
 
 import json
@@ -28,7 +37,7 @@ from weightcache.client import fingerprint as fp
 from weightcache.client.attach import list_sockets, query_status
 from weightcache.client.errors import WeightCacheError
 from weightcache.client.modelfiles import read_config
-from weightcache.client.protocol import LAYOUT_VERSION
+from weightcache.client.protocol import LAYOUT_VERSION, STORE_TAG, parse_socket_name
 
 from .httpjson import JsonHandler, host_port, serve
 from .signals import stop_on_signal
@@ -121,8 +130,52 @@ def judge(answers: list[Answer], cache: str, socket_dir) -> Verdict:
                                      + " | ".join(a.message for a in answers), answers)
 
 
-def check(socket_dir, cache: str, expected: dict, timeout: float) -> Verdict:
-    return judge([ask(p, expected, timeout) for p in list_sockets(socket_dir, cache)], cache, socket_dir)
+def is_store_socket(path: pathlib.Path) -> bool:
+    parsed = parse_socket_name(path.name)
+    return parsed is not None and parsed[2] == STORE_TAG
+
+
+def store_caches(status, model_hash: str | None) -> list[dict]:
+    """What a store's Status says it holds, one entry per published cache."""
+    out = []
+    for c in status.caches:
+        f = fp.fields(c.fingerprint)
+        out.append({"fingerprint": c.fingerprint_digest, "engine": f["engine"], "engine_version": f["engine_version"],
+                    "dtype": f["dtype"], "tp_size": f["tp_size"], "tp_rank": f["tp_rank"], "tensors": c.tensors,
+                    "resident_bytes": c.resident_bytes, "attached_clients": c.attached_clients,
+                    "age_s": round(c.age_s, 3),
+                    "of_this_model": None if model_hash is None else f["model_hash"] == model_hash})
+    return out
+
+
+def ask_store(path: pathlib.Path, model_hash: str | None, timeout: float) -> Answer:
+    """Handshake with one store socket: a store that answers is all readiness needs."""
+    try:
+        status = query_status(path, timeout=timeout)
+    except ConnectionRefusedError:
+        return Answer(path.name, "unreachable", f"{path.name}: no store listening (a stale socket file)")
+    except FileNotFoundError:
+        return Answer(path.name, "unreachable", f"{path.name}: gone while asking (a store stopping)")
+    except (WeightCacheError, OSError, EOFError) as exc:
+        return Answer(path.name, "unreachable", f"{path.name}: {type(exc).__name__}: {exc}")
+    caches = store_caches(status, model_hash)
+    daemon = {"socket": str(path), "store": status.store, "device": status.device, "backend": status.backend,
+              "pid": status.pid, "attached_clients": status.attached_clients, "resident_bytes": status.resident_bytes,
+              "budget_bytes": status.budget_bytes, "uptime_s": round(status.uptime_s, 3), "caches": caches,
+              "fingerprint": ""}
+    if not status.store:
+        return Answer(path.name, "unreachable", f"{path.name}: answers, but is not a store", [], daemon)
+    held = f"{len(caches)} published cache(s)" if caches else "empty: the first engine on the node publishes"
+    return Answer(path.name, "match", f"{path.name}: store serves; {held}", [], daemon)
+
+
+def check(socket_dir, cache: str, expected: dict, timeout: float, store: bool = False,
+          model_hash: str | None = None) -> Verdict:
+    """Checkpoint caches: every socket of the cache but a store's; stores: only theirs."""
+    paths = [p for p in list_sockets(socket_dir, cache) if is_store_socket(p) == store]
+    if store:
+        return judge([ask_store(p, model_hash, timeout) for p in paths], cache, socket_dir)
+    return judge([ask(p, expected, timeout) for p in paths], cache, socket_dir)
 
 
 # -- the running agent ------------------------------------------------------------------
@@ -133,8 +186,8 @@ def _stamp(t: float | None) -> str | None:
 class Agent:
     """The latest verdict, shared between the checking loop and the HTTP threads."""
 
-    def __init__(self, args, expected: dict):
-        self.args, self.expected = args, expected
+    def __init__(self, args, expected: dict, model_hash: str | None = None):
+        self.args, self.expected, self.model_hash = args, expected, model_hash
         self._lock = threading.Lock()
         self.verdict = Verdict(False, NO_SOCKET, "not checked yet", [])
         self.checked_at: float | None = None
@@ -142,7 +195,8 @@ class Agent:
         self.ever_ready = False
 
     def refresh(self) -> Verdict:
-        verdict = check(self.args.socket_dir, self.args.cache, self.expected, self.args.handshake_timeout)
+        verdict = check(self.args.socket_dir, self.args.cache, self.expected, self.args.handshake_timeout,
+                        store=self.args.store, model_hash=self.model_hash)
         with self._lock:
             before, self.verdict, self.checked_at = self.verdict, verdict, time.time()
             if verdict.ready and not before.ready:
@@ -157,7 +211,7 @@ class Agent:
         fields = {"cache": self.args.cache, "reason": verdict.reason, "detail": verdict.message}
         if verdict.ready:
             match = next(a for a in verdict.answers if a.state == "match")
-            log.info("cache ready", extra={"fields": {**fields, "fingerprint": match.daemon["fingerprint"]}})
+            log.info("cache ready", extra={"fields": {**fields, "fingerprint": match.daemon["fingerprint"] or "store"}})
         elif self.ever_ready:
             log.warning("cache not ready", extra={"fields": fields})
         else:
@@ -171,8 +225,11 @@ class Agent:
                "socket_dir": str(self.args.socket_dir), "model": str(self.args.model), "expected": self.expected,
                "daemon": matching[0] if matching else None,
                "attached_clients": sum(d["attached_clients"] for d in matching),
+               "store": self.args.store,
                "sockets": [asdict(a) for a in v.answers],
                "checked_at": _stamp(checked_at), "ready_since": _stamp(ready_since), "engine": None}
+        if self.args.store:
+            doc["caches"] = [c for d in matching for c in d["caches"]]
         doc.update(read_report(self.args.report_file))
         return doc
 
@@ -201,9 +258,25 @@ def handler_for(agent: Agent) -> type[JsonHandler]:
     return Handler
 
 
+def checkpoint_hash(model_dir: pathlib.Path | None) -> str | None:
+    """The model hash of MODEL_DIR's checkpoint, or None when there is none to read."""
+    try:
+        return fp.model_hash(model_dir) if model_dir is not None and model_dir.is_dir() else None
+    except (OSError, ValueError) as exc:
+        log.warning("cannot hash --model", extra={"fields": {"model": str(model_dir), "error": str(exc)}})
+        return None
+
+
 def run(args) -> int:
-    expected = expected_fields(args.model, args.revision, args.tp_size)
-    agent = Agent(args, expected)
+    if args.store:
+        # Only to say which published caches were made from this checkpoint; a store
+        # is ready without it (the engine may also be pointed at another directory).
+        expected, model_hash = {}, checkpoint_hash(args.model)
+    else:
+        if args.model is None:
+            raise SystemExit("weightcache agent: --model is required unless --store")
+        expected, model_hash = expected_fields(args.model, args.revision, args.tp_size), None
+    agent = Agent(args, expected, model_hash)
     server = serve(*args.http_bind, handler_for(agent))
     log.info("agent serving", extra={"fields": {"bind": "%s:%d" % server.server_address[:2], "cache": args.cache,
                                                 "socket_dir": str(args.socket_dir)}})
@@ -254,7 +327,11 @@ def add_command(sub) -> None:
                                    "checking and reports on /ready and /status without exiting.")
     p.add_argument("--socket-dir", required=True, type=pathlib.Path, help="the cache's socket directory")
     p.add_argument("--cache", required=True, help="cache name (the WeightCache's name)")
-    p.add_argument("--model", required=True, type=pathlib.Path, help="the model directory the engine loads")
+    p.add_argument("--model", type=pathlib.Path,
+                   help="the model directory the engine loads (required unless --store)")
+    p.add_argument("--store", action="store_true",
+                   help="the cache is a store engines publish into (WeightCache source Published): ready once a "
+                        "store of --cache answers; /status lists what it holds")
     p.add_argument("--revision", default="", help="model revision the engine expects")
     p.add_argument("--tp-size", type=int, help="tensor-parallel size the engine expects (compared when given)")
     p.add_argument("--http-bind", required=True, type=host_port, metavar="HOST:PORT",

@@ -6,7 +6,7 @@ import os
 import pathlib
 import sys
 
-from . import agent, example_engine, logs
+from . import agent, demo, example_engine, logs
 from .httpjson import host_port
 from .operator import main as operator_main
 
@@ -185,34 +185,10 @@ def _cmd_status(args) -> int:
     return 0
 
 
-def _add_demo(sub):
-    p = sub.add_parser("demo", help="the main job on the embedded default: cpu backend, a real small model",
-                       description="Start a daemon on the cpu backend with the packaged all-MiniLM-L6-v2, attach "
-                                   "from a fresh process, and compare its forward pass with the disk-loaded model.")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=_cmd_demo)
-
-
-def _cmd_demo(args) -> int:
-    from .demo import run_demo
-
-    result = run_demo()
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"model:             {result['model']}")
-        print(f"backend:           {result['backend']}")
-        print(f"disk load:         {result['disk_load_ms']:.1f} ms")
-        print(f"attach + bind:     {result['attach_ms']:.1f} ms")
-        print(f"speedup:           {result['speedup']:.1f}x")
-        print(f"outputs identical: {result['outputs_identical']}")
-    return 0 if result["outputs_identical"] else EXIT_FAILED
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local GPU weight cache for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_daemon, _add_attach, _add_status, _add_demo, agent.add_command, example_engine.add_command,
+    for add in (_add_daemon, _add_attach, _add_status, demo.add_command, agent.add_command, example_engine.add_command,
                 operator_main.add_command):
         add(sub)
     return parser

@@ -1,9 +1,9 @@
 """`weightcache example-engine`: the reference engine the Kubernetes tests deploy.
 
-A small real engine for the packaged all-MiniLM-L6-v2: transformers builds the model on
-the meta device, `load_weights` gets the weights (from the cache or from disk, per the
-WEIGHTCACHE_* env the webhook sets) and `bind` points the model at them without a
-copy. It keeps the weights (and so its connection to the daemon) for its whole life:
+A small real engine for the packaged all-MiniLM-L6-v2: one call,
+`weightcache.integrations.transformers.from_pretrained`, builds the model on the meta
+device, gets the weights (from the cache or from disk, per the WEIGHTCACHE_* env the
+webhook sets) and binds the model to them without a copy. It keeps the weights (and so its connection to the daemon) for its whole life:
 that is how the daemon counts it attached. docs/engines.md walks through the same
 steps for other frameworks.
 
@@ -67,7 +67,7 @@ class Engine:
         self.model_dir = model_dir
         self.loaded = None  # LoadedWeights: kept open while the engine lives
         self.model = self.tokenizer = None
-        self.bind_ms: float | None = None
+        self.ready_ms: float | None = None  # from_pretrained: build on meta, get the weights, bind
         self._lock = threading.Lock()  # one forward pass at a time: bounded memory, same results
 
     @property
@@ -75,22 +75,19 @@ class Engine:
         return self.model is not None
 
     def load(self) -> None:
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModel, AutoTokenizer
+        from transformers import AutoModel, AutoTokenizer
 
-        from weightcache.client import bind, load_weights
+        from .integrations.transformers import from_pretrained
 
-        config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        loaded = load_weights(self.model_dir)  # WEIGHTCACHE_MODE, _SOCKET_DIR, _DEVICE, ... from the env
         start = time.perf_counter()
-        with init_empty_weights(include_buffers=False):  # parameters on meta: no memory, no init
-            model = AutoModel.from_config(config)
-        bind(model, loaded.tensors)
-        self.bind_ms = (time.perf_counter() - start) * 1e3
-        self.loaded, self.model = loaded, model.eval()
+        # Built on meta, weights from the cache or disk per WEIGHTCACHE_* (mode, fallback,
+        # socket dir, ...), bound without a copy.
+        model, loaded = from_pretrained(self.model_dir, AutoModel)
+        self.ready_ms = (time.perf_counter() - start) * 1e3
+        self.loaded, self.model = loaded, model
         log.info("engine ready", extra={"fields": {"source": loaded.source, "reason": loaded.reason,
-                                                   "bind_ms": round(self.bind_ms, 2)}})
+                                                   "ready_ms": round(self.ready_ms, 2)}})
 
     def infer(self, sentences: list[str], output: str) -> dict:
         import torch
@@ -115,7 +112,7 @@ class Engine:
 
         doc = {"ready": self.ready, "model": str(self.model_dir), "pid": os.getpid()}
         if self.loaded is not None:
-            doc.update(engine_report(self.loaded), bind_ms=round(self.bind_ms, 3))
+            doc.update(engine_report(self.loaded), ready_ms=round(self.ready_ms, 3))
         return doc
 
     def close(self) -> None:

@@ -121,7 +121,7 @@ main() {
     local tmp="$key_dir.tmp.$$" start=$SECONDS
     rm -rf "$key_dir".tmp.*  # left by a killed build: we hold the lock, so none is live
     mkdir -p "$tmp/bin"
-    trap 'rm -rf "$tmp"' EXIT
+    trap "rm -rf '$tmp'" EXIT  # expanded now: a local is gone by the time EXIT runs
     log "cold build into $key_dir ($(go version | cut -d" " -f3), ${WEIGHTCACHE_BUILD_JOBS:-2} jobs)"
     build_into "$tmp/bin"
     complete "$tmp/bin" || { log "build finished without all of: ${BINARIES[*]}"; return 1; }

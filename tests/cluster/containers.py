@@ -54,6 +54,8 @@ class Launch:
     host: str  # the pod IP, where network probes connect
     restart_policy: str  # Always | OnFailure | Never, for this container
     grace: float  # terminationGracePeriodSeconds
+    groups: tuple[int, ...] = ()  # supplementary groups the process gets beside its own
+    error: str = ""  # why the process cannot be started at all (a StartError, as a runtime says)
 
 
 class Container:
@@ -150,9 +152,12 @@ class Container:
         if not launch.argv:
             self._terminated(127, "ContainerCannotRun", t0, "no command: image has no entrypoint here")
             return 127
+        if launch.error:
+            self._terminated(128, "StartError", t0, launch.error)
+            return 128
         log_start = launch.log_path.stat().st_size if launch.log_path.exists() else 0
         try:
-            proc = procs.spawn(launch.argv, launch.log_path, env=launch.env, cwd=launch.cwd)
+            proc = procs.spawn(launch.argv, launch.log_path, env=launch.env, cwd=launch.cwd, groups=launch.groups)
         except OSError as e:
             self._terminated(127, "StartError", t0, str(e))
             return 127

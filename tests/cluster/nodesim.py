@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -21,14 +22,37 @@ from .containers import Container, Launch, stamp
 from .gpus import VISIBLE_DEVICES_ENV, GpuAllocator, gpu_limit
 from .kube import ApiError, Rest
 from .network import Network
-from .podspec import (condition, container_argv, container_env, container_mounts, is_runnable,
-                      is_sidecar, pod_phase, with_remapped_probes)
+from .podspec import (IMAGE_VENVS, condition, container_argv, container_env, container_mounts, image_repository,
+                      is_runnable, is_sidecar, pod_groups, pod_phase, with_remapped_probes)
 from .volumes import VolumeError, materialize, pod_kubeconfig
 
 log = logging.getLogger("cluster.nodesim")
 PODS = "/api/v1/pods"
 # Env of the simulator that pod processes must not inherit.
 PRIVATE_ENV = ("KUBECONFIG", "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER")
+
+
+_VENVS: dict[str, tuple[str | None, str]] = {}
+_VENVS_LOCK = threading.Lock()
+VLLM_VENV_SH = Path(__file__).resolve().parents[1] / "vllm" / "venv.sh"
+
+
+def venv_bin_of(name: str) -> tuple[str | None, str]:
+    """(bin folder, "") of the venv an image's python comes from, or (None, why not).
+    "vllm": the venv tests/vllm/venv.sh builds; looked up, never built, here (a test
+    that runs vLLM pods builds it first, and installs this checkout into it)."""
+    with _VENVS_LOCK:
+        if name not in _VENVS:
+            if name != "vllm":
+                _VENVS[name] = (None, f"no venv named {name!r} in the simulator")
+            else:
+                check = subprocess.run(["bash", str(VLLM_VENV_SH), "--check"], capture_output=True)
+                if check.returncode != 0:
+                    return None, f"the vLLM venv is not built: run `bash {VLLM_VENV_SH}` (make vllm-venv)"
+                out = subprocess.run(["bash", str(VLLM_VENV_SH), "--python"], capture_output=True, text=True,
+                                     check=True).stdout.strip().splitlines()[-1]
+                _VENVS[name] = (os.path.dirname(out), "")
+        return _VENVS[name]
 
 
 @dataclass(frozen=True)
@@ -126,7 +150,11 @@ class PodWorker:
         base_env = dict(base_env)
         if gpu_limit(spec):
             base_env[VISIBLE_DEVICES_ENV] = ",".join(self.sim.gpus.allocate(self.node, self.uid, gpu_limit(spec)))
-        env = container_env(self.pod, spec, base_env, self.pod_ip, self.host_ip, self._lookup, mounts)
+        venv_bin, error = None, ""
+        venv = IMAGE_VENVS.get(image_repository(spec.get("image", "")))
+        if venv:
+            venv_bin, error = venv_bin_of(venv)
+        env = container_env(self.pod, spec, base_env, self.pod_ip, self.host_ip, self._lookup, mounts, venv_bin)
         argv = container_argv(spec, env, mounts)
         spec.update(with_remapped_probes(spec, env, mounts))
         cwd = None
@@ -134,7 +162,8 @@ class PodWorker:
             cwd = mounts.get(spec["workingDir"], spec["workingDir"])
             if not os.path.isdir(cwd):
                 cwd = None
-        return Launch(argv, env, cwd, log_path, self.pod_ip, restart_policy, self.grace)
+        return Launch(argv, env, cwd, log_path, self.pod_ip, restart_policy, self.grace,
+                      tuple(pod_groups(self.pod)), error)
 
     def _prepare(self) -> tuple[dict, dict]:
         pod_dir = self.cfg.pod_dir(self.node, self.uid)

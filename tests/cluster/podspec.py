@@ -14,7 +14,7 @@ from pathlib import Path
 # command/args as a local process. Any other image is simulated: Running and Ready
 # without a process.
 RUNNABLE_IMAGES = frozenset({"weightcache-daemon", "weightcache-operator", "weightcache-engine",
-                             "weightcache-test"})
+                             "weightcache-test", "weightcache-vllm-cpu"})
 # What each runnable image's ENTRYPOINT would be when a container gives no `command`.
 # weightcache-test has none: its pods must say what to run.
 IMAGE_ENTRYPOINTS = {
@@ -22,7 +22,12 @@ IMAGE_ENTRYPOINTS = {
     "weightcache-operator": ["weightcache"],
     "weightcache-engine": ["weightcache"],
     "weightcache-test": [],
+    # vLLM's CPU build with weightcache installed beside it (--load-format weightcache).
+    "weightcache-vllm-cpu": ["python", "-m", "vllm.entrypoints.openai.api_server"],
 }
+# Images whose `python` is another venv's than the simulator's: the vLLM venv
+# (tests/vllm/venv.sh; vLLM pins a torch of its own). Its bin folder leads PATH.
+IMAGE_VENVS = {"weightcache-vllm-cpu": "vllm"}
 # Set in every local process: mountPath -> host folder, for programs that want to know.
 MOUNTS_ENV = "WEIGHTCACHE_SIM_MOUNTS"
 
@@ -112,14 +117,25 @@ def resource_ref(container: dict, ref: dict) -> str:
     return str(int(-(-quantity(value) // divisor)))  # the kubelet rounds up
 
 
+def pod_groups(pod: dict) -> list[int]:
+    """The supplementary groups the kubelet gives a pod's processes beyond their own:
+    securityContext.supplementalGroups and fsGroup (the daemon admits engines by one)."""
+    sc = (pod.get("spec") or {}).get("securityContext") or {}
+    groups = [int(g) for g in sc.get("supplementalGroups") or []]
+    if sc.get("fsGroup") is not None:
+        groups.append(int(sc["fsGroup"]))
+    return sorted(set(groups))
+
+
 def container_env(pod: dict, container: dict, base: dict[str, str], pod_ip: str, host_ip: str,
-                  lookup, mounts: dict[str, str]) -> dict[str, str]:
+                  lookup, mounts: dict[str, str], venv_bin: str | None = None) -> dict[str, str]:
     """The process env: BASE (the simulator's own, for PATH and the venv), then envFrom,
     then env, in the kubelet's order. LOOKUP(kind, name, key) reads a ConfigMap/Secret
-    value (kind 'configMap'|'secret'; key None = the whole data dict)."""
+    value (kind 'configMap'|'secret'; key None = the whole data dict). VENV_BIN leads
+    PATH (default: the simulator's own venv)."""
     env = dict(base)
     env["HOSTNAME"] = pod["metadata"]["name"]
-    venv_bin = os.path.dirname(sys.executable)  # so `weightcache` resolves to this venv's
+    venv_bin = venv_bin or os.path.dirname(sys.executable)  # so `weightcache` resolves to this venv's
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", os.defpath)
     env[MOUNTS_ENV] = ",".join(f"{k}={v}" for k, v in sorted(mounts.items()))
     for src in container.get("envFrom") or []:

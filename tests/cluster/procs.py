@@ -28,19 +28,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None,
-          cwd: str | None = None) -> subprocess.Popen:
+          cwd: str | None = None, groups: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start ARGV in a new session (its own process group), output appended to LOG_PATH.
 
     If the spawning thread of the supervisor dies (SIGKILL included), the kernel
     SIGKILLs the child instead of leaving an orphan (PR_SET_PDEATHSIG, through
     setpriv). So spawn() must be called from a thread that lives as long as the child.
+
+    GROUPS: supplementary groups added to the child's (a pod's supplementalGroups), set
+    between fork and exec by subprocess itself (no Python runs there); only root may,
+    so elsewhere they are left out.
     """
+    extra = None
+    if groups and os.geteuid() == 0:
+        extra = sorted(set(os.getgroups()) | set(groups))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     command = [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
     with open(log_path, "ab", buffering=0) as log:
         log.write(f"--- {time.strftime('%H:%M:%S')} exec {argv!r}\n".encode())
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True, close_fds=True)
+                                env=env, cwd=cwd, start_new_session=True, close_fds=True, extra_groups=extra)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

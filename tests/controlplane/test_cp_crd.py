@@ -38,12 +38,13 @@ def test_a_minimal_cache_gets_its_defaults(crd, namespace):
     assert got["backend"] == "cuda-vmm" and got["dtype"] == "auto" and got["quantization"] == "none"
     assert got["parallelism"] == {"tensor": 1, "pipeline": 1, "data": 1}
     assert got["clientPolicy"] == {"fallback": "disk"}
+    assert got["source"] == "Checkpoint"
 
 
 def test_get_shows_the_printer_columns(crd, namespace):
     create(crd, namespace, cache("shown"))
     header = crd.kubectl("get", "wc", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "ROLLOUT", "AGE"]
+    assert header == ["NAME", "READY", "NODES", "BACKEND", "SOURCE", "SIZE", "CLIENTS", "ROLLOUT", "AGE"]
 
 
 def test_explain_documents_the_fields(crd):
@@ -69,6 +70,8 @@ def test_explain_documents_the_fields(crd):
     ({"model": {"path": "/m", "volume": {"hostPath": {"path": "/a"}, "persistentVolumeClaim": {"claimName": "c"}}}},
      "spec.model.volume"),
     ({"replicas": 3}, 'unknown field "spec.replicas"'),
+    ({"source": "Engine"}, 'spec.source: Unsupported value: "Engine"'),
+    ({"source": "Published", "backend": "cuda-ipc", "allowHostIPC": True}, "source Published needs handles"),
 ])
 def test_invalid_caches_are_refused_naming_the_field(crd, namespace, spec, needle):
     manifest = cache("bad")
@@ -90,7 +93,17 @@ def test_status_is_a_subresource_with_a_strict_schema(crd, namespace):
     got = crd.kubectl_json("get", "wc", "st", "-n", namespace)
     assert got["status"] == {"readyNodes": "1/2", "attachedClients": 3, "size": "16 GiB"}  # unknown field pruned
     row = crd.kubectl("get", "wc", "st", "-n", namespace, "--no-headers").stdout.split()
-    assert row[1:5] == ["1/2", "cuda-vmm", "16", "GiB"] and row[5] == "3"
+    assert row[1:6] == ["1/2", "cuda-vmm", "Checkpoint", "16", "GiB"] and row[6] == "3"
+
+
+def test_a_published_cache_is_accepted_and_its_caches_kept_in_status(crd, namespace):
+    create(crd, namespace, cache("pub", source="Published", backend="cpu"))
+    entry = {"engine": "vllm", "engineVersion": "0.32.0", "dtype": "float32", "fingerprint": "f" * 64, "nodes": 1,
+             "attachedClients": 2, "bytesPerGPU": 12345, "size": "12.1 KiB"}
+    crd.kubectl("patch", "wc", "pub", "-n", namespace, "--subresource=status", "--type=merge",
+                "-p", json.dumps({"status": {"caches": [entry]}}))
+    assert crd.kubectl_json("get", "wc", "pub", "-n", namespace)["status"]["caches"] == [entry]
+    assert "first engine on the node" in crd.kubectl("explain", "wc.spec.source").stdout
 
 
 def test_a_gpu_cache_name_must_fit_the_daemons_socket_name(crd, namespace):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.podspec import (container_argv, container_env, expand, image_repository, is_runnable, pod_phase,
-                             remap_path, volume_dirs)
+from cluster.podspec import (IMAGE_ENTRYPOINTS, IMAGE_VENVS, container_argv, container_env, expand,
+                             image_repository, is_runnable, pod_groups, pod_phase, remap_path, volume_dirs)
 
 
 def test_image_repository_ignores_registry_tag_and_digest():
@@ -57,3 +57,19 @@ def test_pod_phase():
     assert pod_phase("Never", True, [done0]) == "Succeeded"
     assert pod_phase("Never", True, [done0, done1]) == "Failed"
     assert pod_phase("Always", True, [dict(done1, _will_restart=True)]) == "Running"
+
+
+def test_a_pods_supplemental_groups_and_fs_group_reach_its_processes():
+    pod = {"spec": {"securityContext": {"supplementalGroups": [60100, 5], "fsGroup": 7}}}
+    assert pod_groups(pod) == [5, 7, 60100]
+    assert pod_groups({"spec": {}}) == []
+
+
+def test_the_vllm_image_runs_the_api_server_with_the_vllm_venvs_python():
+    assert is_runnable("weightcache-vllm-cpu:0.1.0") and IMAGE_VENVS["weightcache-vllm-cpu"] == "vllm"
+    c = {"name": "vllm", "image": "weightcache-vllm-cpu:0.1.0", "args": ["--model", "/m"]}
+    assert container_argv(c, {}, {"/m": "/host/m"}) == [*IMAGE_ENTRYPOINTS["weightcache-vllm-cpu"], "--model",
+                                                       "/host/m"]
+    pod = {"metadata": {"name": "p"}, "spec": {}}
+    env = container_env(pod, c, {"PATH": "/bin"}, "127.0.0.2", "127.0.0.1", lambda *a: None, {}, "/venv/bin")
+    assert env["PATH"].split(":")[0] == "/venv/bin"

@@ -3,6 +3,7 @@ fingerprint mismatches and timeouts as exit codes with reasons, losing and regai
 the daemon while running, the engine's report on /status."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -12,9 +13,10 @@ import pytest
 
 from cluster.procs import free_port
 from procs import http_json, wait_until
+from publisher_proc import fingerprint, tensors
 from weightcache.agent import EXIT_MISMATCH, EXIT_TIMEOUT, MODEL_FIELDS, expected_fields
 from weightcache.client import fingerprint as fp
-from weightcache.client import query_status
+from weightcache.client import attach_or_publish, query_status
 from weightcache.client.attach import list_sockets
 from weightcache.synthetic import write_model
 
@@ -224,3 +226,46 @@ def test_a_hung_daemon_is_not_ready_and_is_named_as_not_answering(small_model, s
     finally:
         daemon.send_signal(signal.SIGCONT)
     wait_until(agent.ready, 10, "agent ready once the daemon answers again")
+
+
+# -- stores (WeightCache source Published) ---------------------------------------------------------
+def test_a_store_agent_is_ready_on_the_empty_store_and_lists_what_engines_publish(small_model, socket_dir, daemons,
+                                                                                   agents, tmp_path):
+    """--store: ready once the store answers the handshake, empty or not (the engine's own
+    fingerprint is not the agent's to compute); /status then lists each published cache,
+    whether it was made from --model's checkpoint, and the engine's report."""
+    report = tmp_path / "engine.json"
+    agent = agents(socket_dir, small_model, "--store", "--report-file", report)
+    wait_until(agent.serving, 30, "agent serving /healthz")
+    assert agent.get("/ready")[1]["reason"] == "NoSocket"
+    daemons.start(None, socket_dir, extra=["--allow-publish-uid", str(os.geteuid())])
+    doc = wait_until(agent.ready, 30, "agent ready on the empty store")
+    assert doc["store"] is True and doc["caches"] == [] and doc["daemon"]["store"] is True
+    assert "empty: the first engine on the node publishes" in doc["sockets"][0]["message"]
+
+    loaded = attach_or_publish(fingerprint(small_model), load=lambda: tensors(1), socket_dir=str(socket_dir),
+                               cache_name="test", mode="client", fallback="error", report_file=str(report))
+    assert loaded.source == "published"
+
+    def listed():
+        d = http_json(agent.url + "/status", timeout=10)[1]
+        return d if d["caches"] and d["engine"] else None
+    doc = wait_until(listed, 10, "the published cache and the engine's report on /status")
+    (held,) = doc["caches"]
+    assert held["engine"] == "testengine" and held["of_this_model"] is True and held["attached_clients"] == 1
+    assert held["fingerprint"] == doc["engine"]["fingerprint"] and doc["engine"]["source"] == "published"
+    assert held["resident_bytes"] == loaded.resident_bytes > 0 and doc["attached_clients"] == 1
+
+
+def test_a_store_agent_ignores_a_loaded_daemon_and_a_checkpoint_agent_ignores_a_store(small_model, socket_dir,
+                                                                                     daemons, agents):
+    """The two kinds of daemon may serve one cache name side by side: each agent asks
+    only its own kind (a store's empty fingerprint is no mismatch of a checkpoint)."""
+    daemons.start(None, socket_dir, name="store", extra=["--allow-publish-uid", "0"])
+    checkpoint = agents(socket_dir, small_model, "--wait-timeout", "1", cache="store")
+    assert checkpoint.wait() == EXIT_TIMEOUT
+    assert "no socket of the cache appeared" in checkpoint.err.read_text()
+    daemons.start(small_model, socket_dir, name="loaded", extra=["--revision", "r1"])
+    store = agents(socket_dir, small_model, "--store", "--wait-timeout", "1", cache="loaded")
+    assert store.wait() == EXIT_TIMEOUT
+    assert "no socket of the cache appeared" in store.err.read_text()

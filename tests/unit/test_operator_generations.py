@@ -298,3 +298,26 @@ def test_only_annotated_deployments_are_managed():
     assert managed.is_managed(d)
     d["metadata"]["annotations"][managed.MANAGED_ANNOTATION] = "false"
     assert not managed.is_managed(d)
+
+
+# -- stores (source Published) ------------------------------------------------------------------
+def test_a_store_moves_to_a_new_model_in_place_without_waiting_for_engines():
+    """One store serves every generation (engines of the new revision publish beside the
+    old one's tensors), so a model change never waits and never starts a second store
+    (which could not start on a node whose store holds the cache's lock)."""
+    old = observed("r1", clients=3, pods=["e1"])
+    for strategy in (g.IN_PLACE, g.BLUE_GREEN):
+        decided = g.plan(g.Generation("r2", "/m/x"), strategy, 10 * GiB, [old], store=True)
+        assert decided.keep == [("a", g.Generation("r2", "/m/x"), None)]
+        assert decided.delete == [] and decided.target_slot == "a" and decided.waiting is None
+
+
+def test_a_store_keeps_one_daemonset_and_its_pods_do_not_change_with_the_model():
+    left = observed("r1", slot="b")
+    decided = g.plan(g.Generation("r2", "/m/x"), g.IN_PLACE, None, [observed("r0", slot="a"), left], store=True)
+    assert decided.keep == [("a", g.Generation("r2", "/m/x"), None)] and decided.delete == ["b"]
+    c = {**cache(), "spec": {**cache()["spec"], "source": "Published"}}
+    r1 = g.generation_daemonset(c, g.Generation("r1", "/m/x"), "a")
+    r2 = g.generation_daemonset(c, g.Generation("r2", "/m/y"), "a")
+    assert r1["spec"]["template"] == r2["spec"]["template"]  # no roll: only the annotations move
+    assert g.generation_of_daemonset(r2) == g.Generation("r2", "/m/y")

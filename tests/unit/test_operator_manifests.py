@@ -139,3 +139,37 @@ def test_a_changed_spec_changes_the_template_and_an_unchanged_one_does_not():
     assert a == b
     c = daemonset_for(cache(model={"path": "/models/llama", "revision": "def"}))
     assert c["spec"]["template"] != a["spec"]["template"]
+
+
+def test_a_published_cache_runs_a_store_that_the_client_group_may_publish_into():
+    """source Published: the daemon args name no model, revision or parallelism (what an
+    engine publishes carries its own), the client group attaches AND publishes (engine
+    pods get it through supplementalGroups: the first engine on a node is the writer),
+    there is no --take-over (the daemon refuses it for a store), and no model volume (a
+    store reads no checkpoint; the engines mount it)."""
+    ds = daemonset_for(cache(source="Published", backend="cpu"))
+    c = daemon(ds)
+    assert c["args"] == ["daemon", "--backend", "cpu", "--socket-dir", "/run/weightcache/ml/llama", "--name", "llama",
+                         "--http-bind", "$(POD_IP):9400", "--socket-group", "60100", "--allow-gid", "60100",
+                         "--allow-publish-gid", "60100"]
+    pod = ds["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["sockets"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["sockets"]
+    # The same probes as any daemon: a store is ready (/readyz) as soon as it serves, empty.
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_a_store_is_replaced_not_surged():
+    """A second store of one cache on a node cannot start (the first holds its lock) and
+    a store cannot be handed over: its pods are replaced one node at a time."""
+    spec = daemonset_for(cache(source="Published"))["spec"]
+    assert spec["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    gpu = daemon({"spec": spec})["args"]
+    assert gpu[:3] == ["daemon", "--backend", "cuda-vmm"] and ["--device", "all"] == gpu[7:9]
+    assert daemonset_for(cache(source="Checkpoint"))["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 1
+
+
+def test_switching_the_source_changes_the_template():
+    assert daemonset_for(cache(source="Published"))["spec"]["template"] != daemonset_for(cache())["spec"]["template"]
+    # Checkpoint is the default: naming it changes nothing.
+    assert daemonset_for(cache(source="Checkpoint")) == daemonset_for(cache())

@@ -142,3 +142,16 @@ def test_the_pod_joins_the_group_the_daemon_admits_keeping_its_own_groups():
     assert mutated["spec"]["securityContext"] == {"runAsUser": 1000, "supplementalGroups": [7, D.client_gid]}
     assert mutate_pod(mutated, cache(), D)["spec"]["securityContext"]["supplementalGroups"] == [7, D.client_gid]
     assert mutate_pod(pod(), cache(), D)["spec"]["securityContext"] == {"supplementalGroups": [D.client_gid]}
+
+
+def test_a_published_cache_gets_an_agent_that_waits_for_its_store():
+    """The same pod shape (the model is still mounted: the first engine reads it), and the
+    agent gates on the store's handshake (--store) instead of a checkpoint fingerprint."""
+    out = mutate_pod(pod(), cache(source="Published"), D)
+    (agent,) = out["spec"]["initContainers"]
+    assert agent["args"][-1] == "--store" and "--model" in agent["args"]
+    engine = out["spec"]["containers"][0]
+    assert {m["mountPath"] for m in engine["volumeMounts"]} >= {"/models/mini", "/run/weightcache/ml/mini"}
+    assert 60100 in out["spec"]["securityContext"]["supplementalGroups"]  # reader and writer alike
+    assert mutate_pod(out, cache(source="Published"), D) == out
+    assert "--store" not in mutate_pod(pod(), cache(), D)["spec"]["initContainers"][0]["args"]

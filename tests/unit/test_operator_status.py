@@ -220,3 +220,58 @@ def test_the_most_common_fingerprint_is_reported_and_bytes_are_per_gpu():
     states = [NodeState("n0", READY, devices=[dev("b", 4), dev("b", 6)]), NodeState("n1", READY, devices=[dev("a", 5)])]
     out = aggregate(cache(), ds(), states, T0)
     assert out["fingerprint"] == "b" and out["bytesPerGPU"] == 6
+
+
+def store_cache(status=None):
+    return {**cache(status=status), "spec": {"source": "Published"}}
+
+
+def store_report(*caches):
+    """A ready store's /status: one device, each cache (engine, digest, bytes, clients)."""
+    entries = [{"fingerprint": digest, "engine": engine, "resident_bytes": nbytes, "attached_clients": clients,
+                "fingerprint_fields": {"engine": engine, "engine_version": "0.32.0", "dtype": "float32"}}
+               for engine, digest, nbytes, clients in caches]
+    return {"state": READY, "store": True, "reason": "", "message": "", "progress": {},
+            "devices": [{"device": "cpu", "fingerprint": "", "resident_bytes": sum(e["resident_bytes"] for e in entries),
+                         "attached_clients": sum(e["attached_clients"] for e in entries), "caches": entries}]}
+
+
+def test_an_empty_store_is_ready_and_says_it_is_empty():
+    states = [node_state(pod(n, ready=True), store_report()) for n in ("n1", "n2")]
+    st = aggregate(store_cache(), ds(), states, T0)
+    ready = condition(st, "Ready")
+    assert ready["status"] == "True" and ready["reason"] == "AllNodesReady"
+    assert ready["message"] == "store ready on 2/2 nodes; empty: the first engine on each node publishes"
+    assert st["caches"] == [] and st["fingerprint"] == "" and st["size"] == "" and st["readyNodes"] == "2/2"
+    assert condition(st, "Degraded")["status"] == "False"
+
+
+def test_published_caches_are_listed_once_per_fingerprint_across_nodes():
+    a, b = "a" * 64, "b" * 64
+    states = [node_state(pod("n1", ready=True), store_report(("vllm", a, 3 << 20, 2), ("vllm", b, 1 << 20, 0))),
+              node_state(pod("n2", ready=True), store_report(("vllm", a, 3 << 20, 1)))]
+    st = aggregate(store_cache(), ds(), states, T0)
+    assert st["caches"] == [
+        {"engine": "vllm", "engineVersion": "0.32.0", "dtype": "float32", "fingerprint": a, "nodes": 2,
+         "attachedClients": 3, "bytesPerGPU": 3 << 20, "size": "3 MiB"},
+        {"engine": "vllm", "engineVersion": "0.32.0", "dtype": "float32", "fingerprint": b, "nodes": 1,
+         "attachedClients": 0, "bytesPerGPU": 1 << 20, "size": "1 MiB"}]
+    assert st["attachedClients"] == 3 and st["bytesPerGPU"] == 4 << 20  # the device holds both
+    assert condition(st, "Ready")["message"] == (
+        "store ready on 2/2 nodes; 2 published: vllm 0.32.0 float32 (3 MiB) on 2/2 nodes, 3 attached; "
+        "vllm 0.32.0 float32 (1 MiB) on 1/2 nodes, 0 attached")
+
+
+def test_a_store_not_serving_yet_is_loading_and_what_it_held_is_not_listed():
+    states = [node_state(pod("n1", ready=True), store_report(("vllm", "a" * 64, 10, 1))),
+              node_state(pod("n2"), None, "connection refused")]
+    st = aggregate(store_cache(), ds(), states, T0)
+    assert condition(st, "Ready")["status"] == "False" and condition(st, "Ready")["reason"] == "NodesLoading"
+    assert [c["nodes"] for c in st["caches"]] == [1]
+
+
+def test_a_checkpoint_cache_has_no_caches_list_unless_a_store_left_one():
+    states = [node_state(pod("n1", ready=True), report(READY))]
+    assert "caches" not in aggregate(cache(), ds(desired=1), states, T0)
+    # Switched from Published: the old list is cleared, not left behind by the merge patch.
+    assert aggregate(cache(status={"caches": [{"engine": "vllm"}]}), ds(desired=1), states, T0)["caches"] == []

@@ -44,7 +44,9 @@ def test_a_minimal_cache_gets_its_defaults(crd, namespace):
 def test_get_shows_the_printer_columns(crd, namespace):
     create(crd, namespace, cache("shown"))
     header = crd.kubectl("get", "wc", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "READY", "NODES", "BACKEND", "SOURCE", "SIZE", "CLIENTS", "ROLLOUT", "AGE"]
+    assert header == ["NAME", "READY", "NODES", "BACKEND", "SIZE", "CLIENTS", "ROLLOUT", "AGE"]
+    wide = crd.kubectl("get", "wc", "-n", namespace, "-o", "wide").stdout.splitlines()[0].split()
+    assert wide == ["NAME", "READY", "NODES", "BACKEND", "SOURCE", "SIZE", "CLIENTS", "ROLLOUT", "FINGERPRINT", "AGE"]
 
 
 def test_explain_documents_the_fields(crd):
@@ -93,7 +95,7 @@ def test_status_is_a_subresource_with_a_strict_schema(crd, namespace):
     got = crd.kubectl_json("get", "wc", "st", "-n", namespace)
     assert got["status"] == {"readyNodes": "1/2", "attachedClients": 3, "size": "16 GiB"}  # unknown field pruned
     row = crd.kubectl("get", "wc", "st", "-n", namespace, "--no-headers").stdout.split()
-    assert row[1:6] == ["1/2", "cuda-vmm", "Checkpoint", "16", "GiB"] and row[6] == "3"
+    assert row[1:5] == ["1/2", "cuda-vmm", "16", "GiB"] and row[5] == "3"
 
 
 def test_a_published_cache_is_accepted_and_its_caches_kept_in_status(crd, namespace):

@@ -24,7 +24,7 @@ from weightcache.client import wire_pb2 as wire
 from weightcache.client.attach import connect, list_sockets, query_status
 from weightcache.client.errors import CheckpointError, ProtocolError, UnsupportedQuantization
 from weightcache.client.protocol import STORE_TAG, check_cache_name, reachable, socket_name
-from weightcache.client.spawn import EXIT_ALREADY_SERVED
+from weightcache.client.spawn import ALREADY_SERVED_LINE, EXIT_ALREADY_SERVED
 from weightcache.client.tp_plan import plan_for
 
 from weightcache.signals import stop_on_signal
@@ -346,6 +346,8 @@ def run(config: DaemonConfig, ready_fd: int | None = None) -> int:
             if not config.take_over:
                 log.error(str(exc))
                 release_locks(locks)
+                if ready_fd is not None:  # a detached daemon's starter cannot see its exit code
+                    os.write(ready_fd, ALREADY_SERVED_LINE)
                 return EXIT_ALREADY_SERVED
     state = DaemonState(cache=config.name, backend=config.backend, model=str(config.model_dir or ""),
                         store=config.store)

@@ -151,3 +151,31 @@ def test_quantized_model_is_refused_by_name(vllm_py, tiny_llama, tmp_path):
     assert "UnsupportedQuantization" in str(refused.value) and "'fp8'" in str(refused.value)
 
 
+
+
+def test_mode_daemon_starts_a_store_the_first_vllm_publishes_and_the_next_attaches(vllm_py, tiny_llama, auto_tokens,
+                                                                                   socket_dir, tmp_path):
+    """Outside Kubernetes: no daemon anywhere; the first vLLM start starts a store
+    (detached, it outlives vLLM), publishes into it, and the next start attaches."""
+    from weightcache.client import query_status
+    from weightcache.client.publish import store_sockets
+
+    env = {"WEIGHTCACHE_MODE": "daemon", "WEIGHTCACHE_SOCKET_DIR": str(socket_dir), "WEIGHTCACHE_CACHE_NAME": CACHE,
+           "WEIGHTCACHE_FALLBACK": "error"}
+    assert not store_sockets(socket_dir, CACHE, "cpu")
+    store_pid = None
+    try:
+        for i, source in enumerate(("published", "cache")):
+            report = tmp_path / f"report-{i}.json"
+            with VllmServer(vllm_py, tiny_llama, tmp_path / f"daemon-mode-{i}.log", load_format="weightcache",
+                            env={**env, "WEIGHTCACHE_REPORT_FILE": str(report)}) as server:
+                assert completions(server) == auto_tokens["float32"]
+                assert json.loads(report.read_text())["source"] == source
+            (path,) = store_sockets(socket_dir, CACHE, "cpu")
+            status = query_status(path)
+            store_pid = status.pid
+            # The store outlived the vLLM that started it, and holds the one publication.
+            assert status.store and [c.fingerprint.engine for c in status.caches] == ["vllm"]
+    finally:
+        if store_pid is not None:
+            os.kill(store_pid, signal.SIGTERM)

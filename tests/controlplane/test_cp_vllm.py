@@ -151,8 +151,8 @@ def test_1_a_published_cache_starts_empty_and_ready_and_says_so(env):
     doc = env.daemon_status(CACHE)
     assert doc["store"] is True and doc["state"] == "ready"
     assert [d["caches"] for d in doc["devices"]] == [[]]
-    # kubectl get wc shows where it comes from.
-    table = env.cluster.kubectl("get", "wc", CACHE, "-n", env.ns).stdout
+    # kubectl get wc -o wide shows where it comes from.
+    table = env.cluster.kubectl("get", "wc", CACHE, "-n", env.ns, "-o", "wide").stdout
     assert "SOURCE" in table.splitlines()[0] and "Published" in table.splitlines()[1], table
 
 

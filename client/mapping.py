@@ -67,6 +67,22 @@ def map_slabs(backend: str, layout: "wire.Layout", fds: list[int], device: str =
     return importer(layout.slabs, fds, device)
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """Row-major strides, in elements, of a tensor of SHAPE."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def span(shape, strides) -> int:
+    """Elements from a tensor's first to one past its last, for these (non-negative) strides."""
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+
+
 def build_views(layout: "wire.Layout", slabs: list) -> dict:
     """Every tensor of the layout as a view on its slab (see _build_views).
 
@@ -123,12 +139,7 @@ def _check_group(key: tuple, members: list, sizes: list) -> None:
     if dtype is None or index >= len(sizes):
         raise ProtocolError(f"tensor {members[0][1]!r}: unknown dtype {dtype_name!r} or slab {index}")
     itemsize = dtype.itemsize
-    extent = 1
-    for d, s in zip(shape, stride):
-        if d < 0 or s < 0:
-            extent = -1
-            break
-        extent = 0 if d == 0 or extent == 0 else extent + (d - 1) * s
+    extent = -1 if any(d < 0 for d in shape) or any(s < 0 for s in stride) else span(shape, stride)
     if extent < 0 or extent * itemsize > size or size % itemsize:
         raise ProtocolError(f"tensor {members[0][1]!r}: shape {list(shape)} strides {list(stride)} do not fit its "
                             f"{size} bytes")

@@ -20,7 +20,7 @@ from . import wire_pb2 as wire
 from .attach import AttachedWeights, finish_attach, list_sockets, request
 from .dtypes import wire_name
 from .errors import CacheUnavailable, ProtocolError, PublishFailed
-from .mapping import build_views
+from .mapping import build_views, contiguous_strides
 from .protocol import MAX_RESPONSE_BYTES, PROTOCOL_VERSION, STORE_TAG, parse_socket_name, recv_message, send_message
 
 
@@ -34,11 +34,7 @@ def declare(tensors: dict) -> "wire.TensorTable":
         table.dtype.append(wire_name(tensor.dtype))
         table.ndim.append(len(shape))
         table.shape.extend(shape)
-        strides, step = [], 1
-        for dim in reversed(shape):
-            strides.append(step)
-            step *= max(dim, 1)
-        table.strides.extend(reversed(strides))
+        table.strides.extend(contiguous_strides(shape))
     return table
 
 

@@ -7,6 +7,7 @@ fills it, and to_wire() is what engines receive.
 from dataclasses import dataclass
 
 from weightcache.client import wire_pb2 as wire
+from weightcache.client.mapping import contiguous_strides
 from weightcache.client.protocol import LAYOUT_VERSION, MAX_FDS_PER_FRAME
 
 from .checkpoint import TensorSource
@@ -36,14 +37,6 @@ class SlabPlan:
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
 
 
 def plan_slabs(tensors, *, alignment: int = DEFAULT_ALIGNMENT,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from weightcache.client import wire_pb2 as wire
 from weightcache.client.dtypes import DTYPES
 from weightcache.client.fingerprint import Device
+from weightcache.client.mapping import span
 from weightcache.client.protocol import LAYOUT_VERSION
 
 from .layout import SlabPlan, plan_slabs
@@ -88,13 +89,6 @@ def declared_tensors(table: "wire.TensorTable") -> list[DeclaredTensor]:
                                      "negative")
         out.append(DeclaredTensor(name, dtypes[i], shape, stride, span(shape, stride) * dtype.itemsize, i))
     return out
-
-
-def span(shape, strides) -> int:
-    """Elements from a tensor's first to one past its last, for these strides."""
-    if any(d == 0 for d in shape):
-        return 0
-    return 1 + sum((d - 1) * s for d, s in zip(shape, strides))
 
 
 def plan_publication(request: "wire.PublishRequest", device: Device, max_slab_bytes: int) -> SlabPlan:

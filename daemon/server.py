@@ -189,7 +189,6 @@ class _Connection(socketserver.BaseRequestHandler):
         pid, uid, gid = peer_credentials(sock)
         groups = peer_groups(sock)
         self.peer = {"pid": pid, "uid": uid, "gid": gid}
-        self.groups = groups
         reader = self.server.access.allows(uid, gid, groups)
         self.writer = self.server.writers.allows(uid, gid, groups)
         if not (reader or self.writer):

@@ -4,11 +4,13 @@ catalog that holds publications within a budget (daemon/publishing.py, daemon/ca
 import threading
 
 import pytest
+
 from weightcache.client import wire_pb2 as wire
 from weightcache.client.fingerprint import Device
+from weightcache.client.mapping import span
 from weightcache.client.protocol import LAYOUT_VERSION
 from weightcache.daemon.catalog import Catalog, Entry, OverBudget
-from weightcache.daemon.publishing import PublicationRefused, declared_tensors, plan_publication, span
+from weightcache.daemon.publishing import PublicationRefused, declared_tensors, plan_publication
 from weightcache.daemon.server import ResidentCache
 
 CPU = Device(kind="cpu")

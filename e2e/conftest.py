@@ -75,7 +75,8 @@ def release(kube):
         yield rel
     finally:
         kube.helm("uninstall", rel.name, "--namespace", rel.namespace, "--wait", "--timeout", "180s", check=False)
-        kube.kubectl("delete", "namespace", rel.namespace, "--wait=false", "--ignore-not-found", check=False)
+        for ns in (rel.namespace, f"{rel.name}-daemons"):  # helm keeps the daemons' namespace
+            kube.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,8 @@ def wc(kube, ns) -> dict | None:
 
 
 def daemon_pods(kube, ns) -> list[dict]:
-    return kube.json("get", "pods", "-n", ns, "-l", DAEMONS)["items"]
+    """The daemons of NS's cache: in the chart's namespace for daemons, labelled with NS."""
+    return kube.json("get", "pods", "-A", "-l", f"{DAEMONS},weightcache.io/cache-namespace={ns}")["items"]
 
 
 def engine_pods(kube, ns) -> list[dict]:
@@ -139,11 +140,11 @@ class Watch(threading.Thread):
             self.stop.wait(0.5)
 
 
-def test_4_a_daemon_image_upgrade_hands_the_slabs_over_while_engines_serve(kube, app, pod_http, engine_image):
+def test_4_a_daemon_image_upgrade_hands_the_slabs_over_while_engines_serve(kube, release, app, pod_http, engine_image):
     engines = engine_pods(kube, app)
     expected = {p["metadata"]["name"]: infer(pod_http, p) for p in engines}
     old = {p["metadata"]["name"] for p in daemon_pods(kube, app)}
-    ds = kube.json("get", "ds", "-n", app, "-l", DAEMONS)["items"][0]
+    ds = kube.json("get", "ds", "-A", "-l", f"{DAEMONS},weightcache.io/cache-namespace={app}")["items"][0]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     current = ds["spec"]["template"]["spec"]["containers"][0]["image"]
     target = os.environ.get("WEIGHTCACHE_E2E_NEXT_DAEMON_IMAGE", f"{current}-next")
@@ -152,7 +153,8 @@ def test_4_a_daemon_image_upgrade_hands_the_slabs_over_while_engines_serve(kube,
     watch = Watch(kube, app, pod_http, engines, expected)
     watch.start()
     try:
-        kube.kubectl("patch", "wc", CACHE, "-n", app, "--type=merge", "-p",
+        # The admin's move: the chart's default class names the new image; its caches roll.
+        kube.kubectl("patch", "wcc", release.name, "--type=merge", "-p",
                      json.dumps({"spec": {"daemon": {"image": target}}}))
         kube.apply(verify_pod("verify-during", engine_image), app)  # a new attach while the daemons roll
 

@@ -26,7 +26,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from .manifests import (CACHE_LABEL, Defaults, daemon_labels, daemonset_for, daemonset_name, node_label_key)
+from .manifests import (Defaults, daemon_labels, daemonset_for, daemonset_name, node_label_key)
 from .status import FAILED, READY, NodeState, human_bytes, merge_conditions
 from .status import LOADING as LOADING_STATE
 
@@ -83,8 +83,8 @@ def rollout_of(spec: dict) -> tuple[str, int | None]:
 
 
 # -- DaemonSets of generations ----------------------------------------------------------------
-def slot_daemonset_name(name: str, slot: str) -> str:
-    return daemonset_name(name) if slot == "a" else f"{daemonset_name(name)}-{slot}"
+def slot_daemonset_name(namespace: str, name: str, slot: str) -> str:
+    return daemonset_name(namespace, name) if slot == "a" else f"{daemonset_name(namespace, name)}-{slot}"
 
 
 def generation_node_label_key(namespace: str, name: str, generation: Generation) -> str:
@@ -94,22 +94,22 @@ def generation_node_label_key(namespace: str, name: str, generation: Generation)
 
 
 def generation_daemonset(cache: dict, generation: Generation, slot: str, defaults: Defaults = Defaults(),
-                         max_device_bytes: int | None = None) -> dict:
+                         max_device_bytes: int | None = None, cls: dict | None = None) -> dict:
     """daemonset_for the cache with its model set to GENERATION, in SLOT, labelled with
     the generation; MAX_DEVICE_BYTES: the allowance of a generation loaded beside another."""
     at = copy.deepcopy(cache)
     at["spec"]["model"]["path"] = generation.path
     at["spec"]["model"]["revision"] = generation.revision
-    ds = daemonset_for(at, defaults)
+    ds = daemonset_for(at, defaults, cls)
     meta = ds["metadata"]
-    meta["name"] = slot_daemonset_name(cache["metadata"]["name"], slot)
+    meta["name"] = slot_daemonset_name(cache["metadata"]["namespace"], cache["metadata"]["name"], slot)
     meta["labels"][GENERATION_LABEL] = generation.key
     meta["annotations"] = {**(meta.get("annotations") or {}), REVISION_ANNOTATION: generation.revision,
                            MODEL_PATH_ANNOTATION: generation.path}
     if slot != "a":
         # Slot a's selector is the one it always had (a selector cannot change); slot b's
         # adds the slot, so the two DaemonSets never claim each other's pods.
-        labels = {**daemon_labels(cache["metadata"]["name"]), SLOT_LABEL: slot}
+        labels = {**daemon_labels(cache["metadata"]["namespace"], cache["metadata"]["name"]), SLOT_LABEL: slot}
         ds["spec"]["selector"] = {"matchLabels": labels}
         ds["spec"]["template"]["metadata"]["labels"] = {**ds["spec"]["template"]["metadata"]["labels"], **labels}
     if max_device_bytes is not None:
@@ -338,10 +338,6 @@ def generation_for_revision(cache: dict, revision: str) -> Generation | None:
 
 def engine_generation(pod: dict) -> str | None:
     return ((pod.get("metadata") or {}).get("annotations") or {}).get(GENERATION_LABEL)
-
-
-def cache_of(obj: dict) -> str | None:
-    return ((obj.get("metadata") or {}).get("labels") or {}).get(CACHE_LABEL)
 
 
 # Progressing reasons of a waiting generation, and the type of the Event each posts.

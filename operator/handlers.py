@@ -12,15 +12,17 @@ import logging
 
 import kopf
 
+from . import classes
 from .hotstandby import StandbyController
 from .kube import ApiError, Kube
-from .manifests import CACHE_LABEL, DAEMON_APP, GROUP, NAME_LABEL, PLURAL, VERSION, Defaults
+from .manifests import CACHE_LABEL, CACHE_NAMESPACE_LABEL, DAEMON_APP, GROUP, NAME_LABEL, PLURAL, VERSION, Defaults
 from .managed import MANAGED_ANNOTATION as MANAGED_ROLLOUT
 from .mutation import MutationRefused, is_daemon_pod, mutate_pod
 from .reconcile import Reconciler, Waiting
 
 CACHES = (GROUP, VERSION, PLURAL)
 WEBHOOK_ID = "mutate-pods"  # the webhook's URL path: https://<host>:<port>/mutate-pods
+VALIDATE_ID = "validate-caches"  # https://<host>:<port>/validate-caches
 
 log = logging.getLogger("weightcache.operator")
 
@@ -58,12 +60,14 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, kube: Kube
     def poll(namespace, name, **_):
         reconciler.reconcile(namespace, name)
 
-    @kopf.on.event("apps", "v1", "daemonsets", id="daemonset-event", registry=registry,
-                   labels={NAME_LABEL: DAEMON_APP, CACHE_LABEL: kopf.PRESENT})
-    @kopf.on.event("v1", "pods", id="daemon-pod-event", registry=registry,
-                   labels={NAME_LABEL: DAEMON_APP, CACHE_LABEL: kopf.PRESENT})
-    def daemon_changed(namespace, labels, **_):
-        reconciler.reconcile(namespace, labels[CACHE_LABEL])
+    # Daemons live in the operator's namespace; their labels name the cache's. A DaemonSet
+    # whose cache is gone is deleted by the pass its event runs (orphans, after a restart).
+    daemon_labels = {NAME_LABEL: DAEMON_APP, CACHE_LABEL: kopf.PRESENT, CACHE_NAMESPACE_LABEL: kopf.PRESENT}
+
+    @kopf.on.event("apps", "v1", "daemonsets", id="daemonset-event", registry=registry, labels=daemon_labels)
+    @kopf.on.event("v1", "pods", id="daemon-pod-event", registry=registry, labels=daemon_labels)
+    def daemon_changed(labels, **_):
+        reconciler.reconcile(labels[CACHE_NAMESPACE_LABEL], labels[CACHE_LABEL])
 
     # Managed rollouts: a labelled engine Deployment's template change runs its cache's
     # pass at once, which pauses the rollout until the generation it needs is ready.
@@ -95,6 +99,25 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, kube: Kube
             pod = _plain(body)
             if not is_daemon_pod(pod):
                 standbys.pod_event(pod)
+
+    # A cache its class refuses is refused at the door, with every broken rule named. The
+    # reconciler checks again (a class can change later); this is where a tenant hears it.
+    @kopf.on.validate(*CACHES, id=VALIDATE_ID, operations=["CREATE", "UPDATE"], side_effects=False,
+                      registry=registry)
+    def validate_cache(body, old, operation, **_):
+        cache = _plain(body)
+        if cache["metadata"].get("deletionTimestamp"):
+            return  # its finalizer must always be removable
+        if operation == "UPDATE" and old is not None and _plain(old).get("spec") == cache.get("spec"):
+            return  # metadata only (the operator's own annotations and finalizer)
+        ns = cache["metadata"].get("namespace") or "default"
+        cache["metadata"]["namespace"] = ns
+        try:
+            classes.check(cache, kube.list_classes(), kube.get_namespace_labels(ns))
+        except classes.ClassRefused as e:
+            raise kopf.AdmissionError(str(e), code=403)
+        except ApiError as e:
+            raise kopf.AdmissionError(f"cannot read the WeightCacheClasses: {e}", code=500)
 
     @kopf.on.mutate("v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], side_effects=False, registry=registry,
                     labels={CACHE_LABEL: kopf.PRESENT})
@@ -146,7 +169,8 @@ class QuietWaits(logging.Filter):
         message = record.getMessage()
         if "failed temporarily: waiting: " in message:
             level = logging.DEBUG
-        elif message.startswith(f"Webhook '{WEBHOOK_ID}' failed permanently: "):
+        elif message.startswith((f"Webhook '{WEBHOOK_ID}' failed permanently: ",
+                                 f"Webhook '{VALIDATE_ID}' failed permanently: ")):
             level = logging.INFO
         else:
             return True

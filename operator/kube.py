@@ -67,6 +67,13 @@ class Kube:
         return f"/apis/apps/v1/namespaces/{ns}/daemonsets" + (f"/{name}" if name else "")
 
     # -- the calls the operator makes -------------------------------------------------
+    def list_classes(self) -> list[dict]:
+        return self.request("GET", f"/apis/{GROUP}/{VERSION}/weightcacheclasses")["items"]
+
+    def get_namespace_labels(self, ns: str) -> dict[str, str]:
+        found = self.request("GET", f"/api/v1/namespaces/{ns}", missing_ok=True) or {}
+        return (found.get("metadata") or {}).get("labels") or {}
+
     def get_cache(self, ns: str, name: str) -> dict | None:
         return self.request("GET", self.cache_path(ns, name), missing_ok=True)
 
@@ -94,6 +101,9 @@ class Kube:
 
     def list_pods(self, ns: str, selector: str) -> list[dict]:
         return self.request("GET", f"/api/v1/namespaces/{ns}/pods", query={"labelSelector": selector})["items"]
+
+    def list_events(self, ns: str, field_selector: str) -> list[dict]:
+        return self.request("GET", f"/api/v1/namespaces/{ns}/events", query={"fieldSelector": field_selector})["items"]
 
     def list_controller_revisions(self, ns: str, selector: str) -> list[dict]:
         return self.request("GET", f"/apis/apps/v1/namespaces/{ns}/controllerrevisions",

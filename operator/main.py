@@ -53,6 +53,10 @@ def add_command(sub) -> None:
                         "after at most this long (default 20)")
     p.add_argument("--daemon-image", default=d.daemon_image, help=f"daemon image when a cache names none "
                                                                   f"(default {d.daemon_image})")
+    p.add_argument("--daemon-namespace", default=d.daemon_namespace, metavar="NS",
+                   help="the namespace every cache's daemons run in, the admin's: it must admit them (Pod Security "
+                        f"privileged: they mount host directories); tenants' namespaces hold no daemon "
+                        f"(default {d.daemon_namespace})")
     p.add_argument("--agent-image", default=d.agent_image, help=f"image of the engine pods' agent sidecar "
                                                                 f"(default {d.agent_image})")
     p.add_argument("--client-gid", type=int, default=d.client_gid,
@@ -135,7 +139,8 @@ def run_command(args) -> int:
     except PeeringUnavailable as e:
         print(f"weightcache operator: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    defaults = Defaults(daemon_image=args.daemon_image, agent_image=args.agent_image, client_gid=args.client_gid)
+    defaults = Defaults(daemon_image=args.daemon_image, agent_image=args.agent_image, client_gid=args.client_gid,
+                        daemon_namespace=args.daemon_namespace)
     priority = args.priority if args.priority is not None else random.randint(1, 2**31 - 1)
     registry = kopf.OperatorRegistry()
     register(registry, Reconciler(kube, defaults, emit=emit_event), kube, defaults, poll_interval=args.poll_interval,

@@ -3,6 +3,11 @@ node-local socket directory, and the node label that marks where a cache is read
 
 A WeightCache is the API's JSON form (a dict, camelCase keys, defaults applied by the
 CRD). Nothing here talks to a cluster; tests call these directly.
+
+The daemons run in the operator's own namespace (Defaults.daemon_namespace), never in
+the cache's: a tenant's namespace holds nothing privileged. An owner reference cannot
+cross namespaces, so a DaemonSet names its cache by labels (namespace, name, uid) and
+the cache's finalizer deletes it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ PLURAL = "weightcaches"
 KIND = "WeightCache"
 
 CACHE_LABEL = "weightcache.io/cache"  # on daemon pods and on engine pods (the opt-in)
+CACHE_NAMESPACE_LABEL = "weightcache.io/cache-namespace"  # on daemon DaemonSets and pods: whose cache
+CACHE_UID_LABEL = "weightcache.io/cache-uid"  # on daemon DaemonSets: which incarnation of the cache owns it
 NAME_LABEL = "app.kubernetes.io/name"
 DAEMON_APP = "weightcache-daemon"
 NODE_LABEL_PREFIX = "cache.weightcache.io/"
@@ -36,6 +43,7 @@ class Defaults:
     """What the operator's command line decides for every cache."""
 
     daemon_image: str = f"weightcache-daemon:{__version__}"
+    daemon_namespace: str = "weightcache-daemons"  # where every cache's daemons run (the admin's namespace)
     agent_image: str = f"weightcache-engine:{__version__}"
     # The group engine pods get (supplementalGroups) and daemons admit (--socket-group,
     # --allow-gid): engines run as any uid, and the daemon checks the kernel's word for
@@ -54,19 +62,29 @@ def node_label_key(namespace: str, name: str) -> str:
     return NODE_LABEL_PREFIX + hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:10]
 
 
-def daemonset_name(name: str) -> str:
-    return f"weightcache-{name}"
+def daemonset_name(namespace: str, name: str) -> str:
+    """`wc-<name>-<hash8>`: unique in the daemons' namespace for every namespace/name (a
+    name alone is not, and "<namespace>-<name>" is ambiguous and may not fit), and short
+    enough for the pods and revisions the DaemonSet controller names after it."""
+    digest = hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:8]
+    return f"wc-{name[:40].rstrip('-.')}-{digest}"
 
 
-def daemon_labels(name: str) -> dict[str, str]:
+def daemon_labels(namespace: str, name: str) -> dict[str, str]:
     """The DaemonSet's selector and its pods' labels."""
-    return {NAME_LABEL: DAEMON_APP, CACHE_LABEL: name}
+    return {NAME_LABEL: DAEMON_APP, CACHE_LABEL: name, CACHE_NAMESPACE_LABEL: namespace}
 
 
-def owner_reference(cache: dict) -> dict:
+def owner_labels(cache: dict) -> dict[str, str]:
+    """What ties a DaemonSet to its cache across namespaces: its namespace, name and uid
+    (a cache deleted and made again under the same name is another owner)."""
     meta = cache["metadata"]
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
-            "controller": True, "blockOwnerDeletion": True}
+    return {**daemon_labels(meta["namespace"], meta["name"]), CACHE_UID_LABEL: meta["uid"],
+            "app.kubernetes.io/managed-by": "weightcache-operator"}
+
+
+def owned_by(obj: dict, uid: str) -> bool:
+    return (obj["metadata"].get("labels") or {}).get(CACHE_UID_LABEL) == uid
 
 
 def model_volume(spec: dict) -> dict:
@@ -137,22 +155,23 @@ def daemon_args(cache: dict, defaults: Defaults = Defaults()) -> list[str]:
             "--take-over"]
 
 
-def _env(spec: dict) -> list[dict]:
+def _env(daemon: dict) -> list[dict]:
     ours = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             # All GPUs visible, none requested: the daemon serves the node's GPUs by UUID.
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
-    extra = [dict(e) for e in ((spec.get("daemon") or {}).get("env") or []) if e["name"] != "POD_IP"]
+    extra = [dict(e) for e in (daemon.get("env") or []) if e["name"] != "POD_IP"]
     names = {e["name"] for e in extra}
     return [e for e in ours if e["name"] not in names] + extra
 
 
-def node_selector(spec: dict) -> dict[str, str]:
-    """placement.nodeSelector when given (an empty one too); else GPU nodes for the GPU
-    backends and any node for cpu."""
-    placement = spec.get("placement") or {}
-    if "nodeSelector" in placement:
-        return dict(placement["nodeSelector"] or {})
+def node_selector(spec: dict, cls_placement: dict | None = None) -> dict[str, str]:
+    """The class's nodeSelector (the admin's), narrowed by the cache's placement.nodeSelector
+    (a key both set keeps the class's value: a cache only narrows). Neither given: GPU
+    nodes for the GPU backends, any node for cpu."""
+    placement, admin = spec.get("placement") or {}, cls_placement or {}
+    if "nodeSelector" in placement or "nodeSelector" in admin:
+        return {**(placement.get("nodeSelector") or {}), **(admin.get("nodeSelector") or {})}
     return {} if spec.get("backend", "cuda-vmm") == "cpu" else {GPU_NODE_LABEL: "true"}
 
 
@@ -168,18 +187,32 @@ def update_strategy(store: bool) -> dict:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
-def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
-    """The one DaemonSet that runs CACHE's daemon on every selected node."""
+def daemon_security_context() -> dict:
+    """Not privileged, on every backend. The daemon needs its socket directory (a hostPath
+    volume), the model (read-only) and, on GPU backends, the GPUs, which the NVIDIA
+    container runtime exposes from NVIDIA_VISIBLE_DEVICES=all without privileges. It runs
+    as root because the socket directory is the node's (created root-owned by the kubelet)
+    and it hands its sockets to the client group (CHOWN). Nothing else: no other
+    capability, no privilege escalation, the runtime's default seccomp profile."""
+    return {"privileged": False, "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def daemonset_for(cache: dict, defaults: Defaults = Defaults(), cls: dict | None = None) -> dict:
+    """The one DaemonSet that runs CACHE's daemon on every selected node, as its
+    WeightCacheClass CLS says (image, env, resources, priority, runtime, tolerations and
+    nodes are the class's: the admin's; None: the operator's defaults)."""
     meta, spec = cache["metadata"], cache["spec"]
     ns, name = meta["namespace"], meta["name"]
-    labels = daemon_labels(name)
-    daemon = spec.get("daemon") or {}
+    labels = daemon_labels(ns, name)
+    admin = (cls or {}).get("spec") or {}
+    daemon, placement = admin.get("daemon") or {}, admin.get("placement") or {}
     sockets = socket_dir_for(ns, name)
     container = {
         "name": "daemon",
         "image": daemon.get("image") or defaults.daemon_image,
         "args": daemon_args(cache, defaults),
-        "env": _env(spec),
+        "env": _env(daemon),
         "ports": [{"name": "http", "containerPort": DAEMON_HTTP_PORT, "protocol": "TCP"}],
         # /readyz answers 200 once every device's socket is published; /healthz while the
         # process serves, loading or failed, so a bad model is reported, not restarted.
@@ -192,7 +225,7 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
         # would only delay its take-over.
         "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
                          "timeoutSeconds": 5, "failureThreshold": 150},
-        "securityContext": {"privileged": True},
+        "securityContext": daemon_security_context(),
         "volumeMounts": [{"name": "sockets", "mountPath": sockets},
                          {"name": "model", "mountPath": spec["model"]["path"], "readOnly": True}],
     }
@@ -207,14 +240,14 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
         "automountServiceAccountToken": False,  # the daemon never calls the API
         "terminationGracePeriodSeconds": 30,
     }
-    selector = node_selector(spec)
+    selector = node_selector(spec, placement)
     if selector:
         pod_spec["nodeSelector"] = selector
-    tolerations = (spec.get("placement") or {}).get("tolerations")
-    if tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(tolerations)
-    if daemon.get("priorityClassName"):
-        pod_spec["priorityClassName"] = daemon["priorityClassName"]
+    if placement.get("tolerations"):
+        pod_spec["tolerations"] = copy.deepcopy(placement["tolerations"])
+    for key in ("priorityClassName", "runtimeClassName"):
+        if daemon.get(key):
+            pod_spec[key] = daemon[key]
     if spec.get("backend") == "cuda-ipc":
         # Legacy CUDA IPC handles open only across a shared IPC and PID namespace.
         pod_spec["hostIPC"] = True
@@ -222,9 +255,8 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults()) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": {"name": daemonset_name(name), "namespace": ns,
-                     "labels": {**labels, "app.kubernetes.io/managed-by": "weightcache-operator"},
-                     "ownerReferences": [owner_reference(cache)]},
+        "metadata": {"name": daemonset_name(ns, name), "namespace": defaults.daemon_namespace,
+                     "labels": owner_labels(cache)},
         "spec": {
             "selector": {"matchLabels": labels},
             "updateStrategy": update_strategy(store),

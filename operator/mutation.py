@@ -22,6 +22,10 @@ MUTATED_ANNOTATION = "weightcache.io/mutated"
 REPORT_DIR = "/run/weightcache-report"
 REPORT_FILE = f"{REPORT_DIR}/engine.json"
 VOL_SOCKETS, VOL_MODEL, VOL_REPORT = "weightcache-sockets", "weightcache-model", "weightcache-report"
+AGENT_UID = 65532  # any non-root uid: the daemon admits the client group, not a uid
+AGENT_SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": AGENT_UID, "allowPrivilegeEscalation": False,
+                          "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                          "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 class MutationRefused(ValueError):
@@ -80,6 +84,12 @@ def agent_container(cache: dict, defaults: Defaults) -> dict:
         "readinessProbe": probe,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [dict(m, readOnly=True) for m in _mounts(cache)],  # it only reads, the report too
+        # Pod Security "restricted": it reads files and a socket (the client group, from the
+        # pod's supplementalGroups, opens it) and writes nothing but its log.
+        "securityContext": AGENT_SECURITY_CONTEXT,
+        # Requests and a memory limit, so a namespace with a ResourceQuota admits the pod;
+        # the limit leaves room for torch's import (the fingerprint names its version).
+        "resources": {"requests": {"cpu": "10m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
     }
 
 

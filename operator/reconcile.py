@@ -11,6 +11,7 @@ fresh process simply checks again.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -21,12 +22,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from . import classes
 from . import generations as gens
 from . import managed
 from . import status as st
 from .kube import ApiError, Kube
-from .manifests import (CACHE_LABEL, DAEMON_APP, DAEMON_HTTP_PORT, FORCE_DELETE_ANNOTATION, NAME_LABEL, NODE_READY,
-                        Defaults, daemon_labels, daemonset_for, is_store, node_label_key)
+from .manifests import (CACHE_LABEL, CACHE_NAMESPACE_LABEL, DAEMON_APP, DAEMON_HTTP_PORT, FORCE_DELETE_ANNOTATION,
+                        NAME_LABEL, NODE_READY, Defaults, daemon_labels, daemonset_for, is_store, node_label_key,
+                        owned_by)
 from .passes import SerialPasses
 
 log = logging.getLogger("weightcache.operator")
@@ -45,6 +48,24 @@ class Waiting(Exception):
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# A FailedCreate older than this is history: the DaemonSet controller retries a refused
+# creation with a backoff capped well below it, so a lasting refusal keeps its Event fresh.
+FAILED_CREATE_WINDOW_S = 600
+
+
+def _now_minus(seconds: float) -> str:
+    t = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=seconds)
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _event_time(event: dict) -> str:
+    """When a core/v1 Event last happened (RFC 3339 strings compare in time order once
+    cut to whole seconds)."""
+    when = ((event.get("series") or {}).get("lastObservedTime") or event.get("lastTimestamp")
+            or event.get("eventTime") or (event.get("metadata") or {}).get("creationTimestamp") or "")
+    return when[:19] + "Z" if when else ""
 
 
 def _selector(labels: dict[str, str]) -> str:
@@ -78,6 +99,7 @@ class Reconciler:
                  http_timeout: float = 2.0) -> None:
         self.kube = kube
         self.defaults = defaults
+        self.daemon_ns = defaults.daemon_namespace
         self.emit = emit or (lambda cache, type, reason, message: None)
         self.http_timeout = http_timeout
         self._guard = threading.Lock()  # guards _key_locks
@@ -140,7 +162,7 @@ class Reconciler:
         if daemonsets:
             for d in daemonsets:
                 if d["metadata"].get("deletionTimestamp") is None:
-                    self.kube.delete_daemonset(ns, d["metadata"]["name"])
+                    self.kube.delete_daemonset(self.daemon_ns, d["metadata"]["name"])
             message = (f"waiting for {len(pods)} daemon pod(s) to stop and remove their sockets" if pods
                        else "waiting for the daemon DaemonSet to go")
             self._write_status(cache, st.aggregate(cache, ds, states, now(), deleting=("Deleting", message)))
@@ -148,11 +170,12 @@ class Reconciler:
         if pods:
             raise Waiting(f"waiting for {len(pods)} daemon pod(s) to stop")
         for slot in gens.SLOTS:
-            self._checked.pop((ns, gens.slot_daemonset_name(name, slot)), None)
+            self._checked.pop((self.daemon_ns, gens.slot_daemonset_name(ns, name, slot)), None)
 
     # -- one pass -------------------------------------------------------------------------
     def _reconcile_once(self, ns: str, name: str) -> None:
         cache = self.kube.get_cache(ns, name)
+        self._delete_orphans(ns, name, cache)
         if cache is None or cache["metadata"].get("deletionTimestamp"):
             return  # gone, or finalize() owns it now
         desired = gens.desired_generation(cache)
@@ -160,17 +183,27 @@ class Reconciler:
         live = self.observe_generations(cache)
         decided = gens.plan(desired, strategy, budget, live, store=is_store(cache["spec"]))
         problem, kept = None, {}
+        try:
+            cls = classes.check(cache, self.kube.list_classes(), self.kube.get_namespace_labels(ns))
+        except classes.ClassRefused as e:
+            # Nothing is created or changed for a cache its class refuses; daemons made
+            # before (the class changed since) keep serving what they serve: deleting them
+            # is the cache owner's decision, or the admin's, not a side effect of an edit.
+            problem, cls = ("ClassRefused", str(e)), None
+            decided = dataclasses.replace(decided, keep=[], delete=[])
         for slot, generation, allowance in decided.keep:
-            want = gens.generation_daemonset(cache, generation, slot, self.defaults, allowance)
+            want = gens.generation_daemonset(cache, generation, slot, self.defaults, allowance, cls)
             try:
                 kept[slot] = self.ensure_daemonset(cache, want)
             except (ApiError, DaemonSetConflict) as e:
                 reason = "DaemonSetConflict" if isinstance(e, DaemonSetConflict) else "DaemonSetRefused"
                 problem = problem or (reason, str(e))
                 log.warning("daemonset not reconciled", extra={"fields": {"cache": f"{ns}/{name}", "error": str(e)}})
+                continue
+            problem = problem or self.pod_creation_problem(kept[slot])
         for o in live:
             if o.slot in decided.delete and o.daemonset["metadata"].get("deletionTimestamp") is None:
-                self.kube.delete_daemonset(ns, o.daemonset["metadata"]["name"])
+                self.kube.delete_daemonset(self.daemon_ns, o.daemonset["metadata"]["name"])
                 self.emit(cache, "Normal", "GenerationReleased", f"{o.generation.describe()}: no engine holds it; "
                           f"deleted DaemonSet {o.daemonset['metadata']['name']}")
         # The spec's generation, observed after this pass's writes (a DaemonSet just
@@ -230,14 +263,44 @@ class Reconciler:
         return out
 
     def _observed(self, ds: dict, generation: gens.Generation, slot: str, engine_pods: list[str]) -> gens.Observed:
-        ns, name = ds["metadata"]["namespace"], ds["metadata"]["labels"][CACHE_LABEL]
+        labels = ds["metadata"]["labels"]
+        ns, name = labels[CACHE_NAMESPACE_LABEL], labels[CACHE_LABEL]
         states = self.observe(self._daemon_pods(ns, name, ds), self.current_revision(ns, name, ds), template_args(ds))
         return gens.Observed(generation, slot, ds, states, engine_pods)
 
     def cache_daemonsets(self, ns: str, name: str, uid: str) -> list[dict]:
-        """The DaemonSets this cache owns (one per generation, at most two)."""
-        found = self.kube.list_daemonsets(ns, _selector(daemon_labels(name)))
-        return sorted((d for d in found if _owned_by(d, uid)), key=lambda d: d["metadata"]["name"])
+        """The DaemonSets this cache owns (one per generation, at most two), in the daemons'
+        namespace."""
+        found = self.kube.list_daemonsets(self.daemon_ns, _selector(daemon_labels(ns, name)))
+        return sorted((d for d in found if owned_by(d, uid)), key=lambda d: d["metadata"]["name"])
+
+    def _delete_orphans(self, ns: str, name: str, cache: dict | None) -> None:
+        """DaemonSets labelled for NS/NAME that no live cache owns: the cache went while no
+        operator ran its finalizer (forced off, the CRD deleted), or it was made again
+        under the same name (another uid). Nothing else would ever delete them."""
+        uid = None if cache is None else cache["metadata"]["uid"]
+        for d in self.kube.list_daemonsets(self.daemon_ns, _selector(daemon_labels(ns, name))):
+            if not owned_by(d, uid) and d["metadata"].get("deletionTimestamp") is None:
+                self.kube.delete_daemonset(self.daemon_ns, d["metadata"]["name"])
+                log.info("orphan daemonset deleted", extra={"fields": {
+                    "daemonset": d["metadata"]["name"], "cache": f"{ns}/{name}"}})
+
+    def pod_creation_problem(self, ds: dict) -> tuple[str, str] | None:
+        """(reason, message) when the DaemonSet lacks pods because their creation is refused
+        (Pod Security, a quota, a missing PriorityClass...): the DaemonSet controller says
+        so only in FailedCreate Events on it, which nothing else would read."""
+        st_ = ds.get("status") or {}
+        if st_.get("currentNumberScheduled", 0) >= st_.get("desiredNumberScheduled", 0) and \
+                st_.get("observedGeneration") == ds["metadata"].get("generation"):
+            return None
+        events = self.kube.list_events(self.daemon_ns, ",".join([
+            "involvedObject.kind=DaemonSet", f"involvedObject.name={ds['metadata']['name']}",
+            f"involvedObject.uid={ds['metadata']['uid']}", "reason=FailedCreate"]))
+        latest = max(events, key=_event_time, default=None)
+        if latest is None or _event_time(latest) < _now_minus(FAILED_CREATE_WINDOW_S):
+            return None
+        return ("DaemonPodsRefused", f"DaemonSet {self.daemon_ns}/{ds['metadata']['name']} cannot create its pods: "
+                                     f"{latest.get('message', '')[:600]}")
 
     def _wanted_labels(self, ns: str, name: str, target: gens.Observed | None,
                        live: list[gens.Observed]) -> dict[str, set[str]]:
@@ -269,15 +332,14 @@ class Reconciler:
 
     def _ensure_daemonset(self, cache: dict, desired: dict | None = None) -> dict:
         meta = cache["metadata"]
-        ns = meta["namespace"]
         desired = desired or daemonset_for(cache, self.defaults)
-        name = desired["metadata"]["name"]  # the shortcut below is kept per DaemonSet
-        actual = self.kube.get_daemonset(ns, desired["metadata"]["name"])
+        ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]  # the shortcut is per DaemonSet
+        actual = self.kube.get_daemonset(ns, name)
         if actual is None:
             created = self.kube.create_daemonset(desired)  # 409: someone else did; start over
             self.emit(cache, "Normal", "DaemonSetCreated", f"created DaemonSet {desired['metadata']['name']}")
             return created
-        if not _owned_by(actual, meta["uid"]):
+        if not owned_by(actual, meta["uid"]):
             raise DaemonSetConflict(f"DaemonSet {ns}/{actual['metadata']['name']} exists and is not owned by this "
                                     f"WeightCache; delete or rename it")
         digest = hashlib.sha256(json.dumps(desired, sort_keys=True).encode()).hexdigest()
@@ -288,7 +350,6 @@ class Reconciler:
         candidate = copy.deepcopy(actual)
         candidate.pop("status", None)
         candidate["metadata"]["labels"] = {**(actual["metadata"].get("labels") or {}), **desired["metadata"]["labels"]}
-        candidate["metadata"]["ownerReferences"] = desired["metadata"]["ownerReferences"]
         candidate["metadata"]["annotations"] = {**(actual["metadata"].get("annotations") or {}),
                                                 **(desired["metadata"].get("annotations") or {})}
         candidate["spec"] = desired["spec"]
@@ -306,7 +367,7 @@ class Reconciler:
         return actual
 
     def _daemon_pods(self, ns: str, name: str, ds: dict | None) -> list[dict]:
-        pods = self.kube.list_pods(ns, _selector(daemon_labels(name)))
+        pods = self.kube.list_pods(self.daemon_ns, _selector(daemon_labels(ns, name)))
         if ds is None:
             return pods
         uid = ds["metadata"]["uid"]
@@ -331,7 +392,7 @@ class Reconciler:
         if ds is None:
             return None
         uid = ds["metadata"]["uid"]
-        revisions = [r for r in self.kube.list_controller_revisions(ns, _selector(daemon_labels(name)))
+        revisions = [r for r in self.kube.list_controller_revisions(self.daemon_ns, _selector(daemon_labels(ns, name)))
                      if any(o.get("uid") == uid for o in r["metadata"].get("ownerReferences") or [])]
         if not revisions:
             return None
@@ -384,10 +445,6 @@ def template_args(ds: dict | None) -> list[str] | None:
 
 class DaemonSetConflict(Exception):
     """A DaemonSet of the cache's name exists that this WeightCache does not own."""
-
-
-def _owned_by(obj: dict, uid: str) -> bool:
-    return any(o.get("uid") == uid and o.get("controller") for o in obj["metadata"].get("ownerReferences") or [])
 
 
 def _meta_key(obj: dict) -> str:

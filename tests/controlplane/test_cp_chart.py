@@ -35,8 +35,9 @@ SYMLINK_NOTICE = "found symbolic link in path"  # helm's note that it followed c
 
 
 def quiet(stderr: str) -> bool:
-    """Nothing on stderr but helm's note about following the CRD's symlink."""
-    return all(SYMLINK_NOTICE in line and "weightcache.io_weightcaches.yaml" in line
+    """Nothing on stderr but helm's note about following the CRDs' symlinks."""
+    return all(SYMLINK_NOTICE in line and ("weightcache.io_weightcaches.yaml" in line or
+                                           "weightcache.io_weightcacheclasses.yaml" in line)
                for line in stderr.splitlines() if line.strip())
 
 
@@ -66,11 +67,13 @@ def test_lint_strict_is_clean(cluster, values):
 
 
 @pytest.mark.parametrize("values, kinds", [
-    ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "Secret",
-          "MutatingWebhookConfiguration", "ClusterKopfPeering", "PodDisruptionBudget", "ConfigMap", "Pod"}),
-    (CERT_MANAGER, {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "Issuer",
-                    "Certificate", "MutatingWebhookConfiguration", "ClusterKopfPeering", "PodDisruptionBudget",
-                    "ConfigMap", "Pod"}),
+    ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Namespace", "Service",
+          "Deployment", "Secret", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
+          "WeightCacheClass", "ClusterKopfPeering", "PodDisruptionBudget", "ConfigMap", "Pod"}),
+    (CERT_MANAGER, {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Namespace",
+                    "Service", "Deployment", "Issuer", "Certificate", "MutatingWebhookConfiguration",
+                    "ValidatingWebhookConfiguration", "WeightCacheClass", "ClusterKopfPeering",
+                    "PodDisruptionBudget", "ConfigMap", "Pod"}),
 ], ids=VALUES.keys())
 def test_template_is_clean_and_renders_every_part(cluster, values, kinds):
     r = template(cluster, *values)
@@ -86,7 +89,8 @@ def test_the_operator_runs_the_contract_command(cluster):
         "weightcache", "operator", "--webhook-bind", "$(POD_IP):8443",
         "--tls-cert", "/etc/weightcache/tls/tls.crt", "--tls-key", "/etc/weightcache/tls/tls.key",
         "--health-bind", "$(POD_IP):8080", "--peering", "rel",
-        "--daemon-image", "weightcache-daemon:0.1.0", "--agent-image", "weightcache-engine:0.1.0"]
+        "--daemon-image", "weightcache-daemon:0.1.0", "--agent-image", "weightcache-engine:0.1.0",
+        "--daemon-namespace", "rel-daemons"]
     assert dep["spec"]["replicas"] == 2
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -122,7 +126,7 @@ def test_the_webhook_selects_only_labelled_pods_outside_the_release_namespace(cl
         {"key": "app.kubernetes.io/name", "operator": "NotIn", "values": ["weightcache-daemon"]}]}
     assert hook["reinvocationPolicy"] == "IfNeeded"
     assert hook["namespaceSelector"] == {"matchExpressions": [
-        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["wc-sys", "kube-system"]}]}
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["wc-sys", "rel-daemons", "kube-system"]}]}
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
                               "resources": ["pods"], "scope": "Namespaced"}]
     assert (hook["failurePolicy"], hook["sideEffects"], hook["timeoutSeconds"]) == ("Fail", "None", 10)
@@ -132,7 +136,7 @@ def test_the_webhook_selects_only_labelled_pods_outside_the_release_namespace(cl
                     release="rel", namespace="wc-sys")
     (hook,) = one(ignore, "MutatingWebhookConfiguration")["webhooks"]
     assert hook["failurePolicy"] == "Ignore"
-    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["wc-sys"]  # its own, always
+    assert hook["namespaceSelector"]["matchExpressions"][0]["values"] == ["wc-sys", "rel-daemons"]  # its own, always
 
 
 def test_cert_manager_mode_injects_the_ca_instead_of_generating_it(cluster):
@@ -206,9 +210,18 @@ def test_every_rendered_manifest_passes_server_side_dry_run(chart_crds, namespac
     # Admission looks up a pod's ServiceAccount, which a dry run of the same batch has not created.
     for sa in (d for d in checked if d["kind"] == "ServiceAccount"):
         testkit.apply(cluster, namespace, sa)
-    out = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-n", namespace, "-f", "-",
-                          input="\n---\n".join(json.dumps(d) for d in checked)).stdout
-    assert out.count("(server dry run)") == len(checked), out
+    # The daemons' namespace, which a dry run does not create either, holds the Role.
+    (daemons_ns,) = [d["metadata"]["name"] for d in checked if d["kind"] == "Namespace"]
+    cluster.create_namespace(daemons_ns)
+    try:
+        for ns in (namespace, daemons_ns):
+            batch = [d for d in checked if (d["metadata"].get("namespace") or namespace) == ns]
+            out = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-n", ns, "-f", "-",
+                                  input="\n---\n".join(json.dumps(d) for d in batch)).stdout
+            assert out.count("(server dry run)") == len(batch), out
+        assert {d["kind"] for d in checked if d["metadata"].get("namespace") == daemons_ns} == {"Role", "RoleBinding"}
+    finally:
+        cluster.kubectl("delete", "namespace", daemons_ns, "--wait=false", check=False)
 
 
 def test_self_managed_tls_is_a_chain_the_api_server_would_trust(cluster):
@@ -303,7 +316,8 @@ def release(cluster):
     cluster.helm("install", name, CHART, "--namespace", namespace, timeout=180)
     yield Release(cluster, name, namespace)
     cluster.helm("uninstall", name, "--namespace", namespace, "--wait", "--timeout", "120s", check=False, timeout=180)
-    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    for ns in (namespace, f"{name}-daemons"):  # helm keeps the daemons' namespace (resource-policy: keep)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_install_establishes_the_crds_and_creates_the_peering(release):
@@ -326,8 +340,7 @@ def test_the_operator_replicas_start_and_become_ready(release):
 
 @pytest.mark.parametrize("verb, resource, allowed", [
     ("patch", "weightcaches.weightcache.io", True), ("patch", "weightcaches.weightcache.io/status", True),
-    ("update", "weightcaches.weightcache.io/finalizers", True), ("create", "daemonsets.apps", True),
-    ("update", "daemonsets.apps", True), ("delete", "daemonsets.apps", True), ("watch", "pods", True),
+    ("watch", "daemonsets.apps", True), ("watch", "pods", True),
     ("patch", "nodes", True), ("create", "events", True), ("patch", "clusterkopfpeerings.kopf.dev", True),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io", True), ("watch", "namespaces", True),
     # Hot standby: it creates, promotes (patch) and deletes standby pods, and reads the
@@ -342,12 +355,28 @@ def test_the_operator_replicas_start_and_become_ready(release):
     ("create", "weightcaches.weightcache.io", False), ("update", "weightcaches.weightcache.io/status", False),
     ("update", "customresourcedefinitions.apiextensions.k8s.io", False), ("create", "deployments.apps", False),
     ("patch", "mutatingwebhookconfigurations.admissionregistration.k8s.io", False), ("delete", "events", False),
+    # DaemonSets are written only in the daemons' namespace (below), never elsewhere; no
+    # owner reference crosses namespaces, so no finalizer rights on the caches.
+    ("create", "daemonsets.apps", False), ("update", "daemonsets.apps", False), ("delete", "daemonsets.apps", False),
+    ("update", "weightcaches.weightcache.io/finalizers", False), ("list", "events", False),
 ])
 def test_the_operator_may_do_its_job_and_nothing_more(release, verb, resource, allowed):
     who = f"system:serviceaccount:{release.namespace}:{release.name}-operator"
     resource, _, sub = resource.partition("/")
     r = release.cluster.kubectl("auth", "can-i", verb, resource, *(["--subresource", sub] if sub else []),
                                 "--as", who, "--all-namespaces", check=False)
+    assert r.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("verb, resource, allowed", [
+    ("create", "daemonsets.apps", True), ("update", "daemonsets.apps", True), ("patch", "daemonsets.apps", True),
+    ("delete", "daemonsets.apps", True), ("list", "controllerrevisions.apps", True), ("list", "events", True),
+    ("create", "deployments.apps", False), ("get", "secrets", False), ("create", "roles.rbac.authorization.k8s.io", False),
+])
+def test_in_the_daemons_namespace_it_may_run_the_daemons_and_nothing_more(release, verb, resource, allowed):
+    who = f"system:serviceaccount:{release.namespace}:{release.name}-operator"
+    r = release.cluster.kubectl("auth", "can-i", verb, resource, "--as", who, "-n", f"{release.name}-daemons",
+                                check=False)
     assert r.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, r.stdout, r.stderr)
 
 

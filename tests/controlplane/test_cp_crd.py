@@ -10,15 +10,17 @@ import pytest
 
 from cluster.handle import wait_for
 
-CRD = pathlib.Path(__file__).resolve().parents[2] / "crds" / "weightcache.io_weightcaches.yaml"
+CRDS = pathlib.Path(__file__).resolve().parents[2] / "crds"
 
 
 @pytest.fixture(scope="module")
 def crd(cluster):
-    cluster.kubectl("apply", "-f", str(CRD))
-    wait_for(lambda: cluster.kubectl("get", "crd", "weightcaches.weightcache.io", "-o",
-                                     "jsonpath={.status.conditions[?(@.type=='Established')].status}").stdout == "True",
-             timeout=30, what="the WeightCache CRD to be established")
+    cluster.kubectl("apply", "-f", str(CRDS / "weightcache.io_weightcaches.yaml"),
+                    "-f", str(CRDS / "weightcache.io_weightcacheclasses.yaml"))
+    for name in ("weightcaches.weightcache.io", "weightcacheclasses.weightcache.io"):
+        wait_for(lambda: cluster.kubectl("get", "crd", name, "-o",
+                                         "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+                                         ).stdout == "True", timeout=30, what=f"CRD {name} to be established")
     return cluster
 
 
@@ -74,6 +76,13 @@ def test_explain_documents_the_fields(crd):
     ({"replicas": 3}, 'unknown field "spec.replicas"'),
     ({"source": "Engine"}, 'spec.source: Unsupported value: "Engine"'),
     ({"source": "Published", "backend": "cuda-ipc", "allowHostIPC": True}, "source Published needs handles"),
+    # What the admin decides is refused by name, not silently dropped.
+    ({"daemon": {"image": "attacker/evil:1"}}, "spec.daemon: the daemons' image, env, resources and priority are "
+                                               "the cluster admin's"),
+    ({"daemon": {"env": [{"name": "LD_PRELOAD", "value": "/x.so"}]}}, "spec.daemon: "),
+    ({"daemon": {"priorityClassName": "system-node-critical"}}, "spec.daemon: "),
+    ({"placement": {"tolerations": [{"operator": "Exists"}]}}, "spec.placement.tolerations: which taints the "
+                                                               "daemons tolerate is the cluster admin's"),
 ])
 def test_invalid_caches_are_refused_naming_the_field(crd, namespace, spec, needle):
     manifest = cache("bad")
@@ -114,3 +123,31 @@ def test_a_gpu_cache_name_must_fit_the_daemons_socket_name(crd, namespace):
     assert result.returncode != 0 and "a GPU cache's name is at most 28 characters" in result.stderr, result.stderr
     create(crd, namespace, cache("a" * 28))
     create(crd, namespace, cache(long_name, backend="cpu"))
+
+
+def klass(name: str, **spec) -> dict:
+    return {"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCacheClass", "metadata": {"name": name},
+            "spec": {"modelRoots": ["/models"], **spec}}
+
+
+def test_a_class_gets_its_defaults_and_columns(crd):
+    crd.kubectl("create", "--validate=strict", "-f", "-", input=json.dumps(klass("crd-pool")))
+    try:
+        got = crd.kubectl_json("get", "wcc", "crd-pool")["spec"]
+        assert got["backends"] == ["cuda-vmm", "cpu"] and got["allowHostIPC"] is False
+        header = crd.kubectl("get", "wcc", "crd-pool").stdout.splitlines()[0].split()
+        assert header == ["NAME", "DEFAULT", "MODEL", "ROOTS", "BACKENDS", "AGE"]
+    finally:
+        crd.kubectl("delete", "wcc", "crd-pool")
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"modelRoots": ["/"]}, "modelRoots: each must be an absolute directory other than /"),
+    ({"modelRoots": ["models"]}, "modelRoots: each must be an absolute directory"),
+    ({"modelRoots": ["/models/../etc"]}, "modelRoots: each must be a plain absolute path"),
+    ({"modelRoots": []}, "spec.modelRoots"),
+    ({"backends": ["rdma"]}, 'Unsupported value: "rdma"'),
+])
+def test_invalid_classes_are_refused_naming_the_field(crd, spec, needle):
+    r = crd.kubectl("create", "--validate=strict", "-f", "-", input=json.dumps(klass("crd-bad", **spec)), check=False)
+    assert r.returncode != 0 and needle in r.stderr, r.stderr

@@ -22,7 +22,7 @@ from cluster.testkit import condition, is_ready, ready_now
 from test_cp_operator import start_operator, stop_operator
 from weightcache.demo import packaged_model_dir
 from weightcache.operator.generations import Generation, generation_node_label_key
-from weightcache.operator.manifests import node_label_key
+from weightcache.operator.manifests import daemonset_name, node_label_key
 
 NS = "wcg"
 MODEL = "/m/mini"
@@ -189,7 +189,7 @@ def test_blue_green_loads_beside_the_old_moves_the_engines_and_releases_the_old(
     assert both["status"]["rollout"] == f"r1 Draining {n}/{n} -> r2 Active {n}/{n}"
     assert condition(both, "Progressing")["reason"] == "Draining"
     assert {revision_of(a) for a in daemonsets(cluster, name).values()} == {"r1", "r2"}
-    assert sorted(daemonsets(cluster, name)) == [f"weightcache-{name}", f"weightcache-{name}-b"]
+    assert sorted(daemonsets(cluster, name)) == [daemonset_name(NS, name), daemonset_name(NS, name) + "-b"]
     for node in cluster.nodes:  # two generations of the cache on each node, each with its socket
         assert len(sockets(cluster, node, name)) == 2
     wait(lambda: nodes_labelled(cluster, generation_node_label_key(NS, name, r2)) == set(cluster.nodes), 30,
@@ -213,7 +213,7 @@ def test_blue_green_loads_beside_the_old_moves_the_engines_and_releases_the_old(
 
     # Nobody holds r1 now: its DaemonSet, sockets and labels go.
     done = wait_cache(cluster, name, lambda o: phases(o) == [("r2", "Active")], "with r2 alone", 120)
-    wait(lambda: list(daemonsets(cluster, name)) == [f"weightcache-{name}-b"], 60, "r1's DaemonSet deleted")
+    wait(lambda: list(daemonsets(cluster, name)) == [daemonset_name(NS, name) + "-b"], 60, "r1's DaemonSet deleted")
     wait(lambda: all(len(sockets(cluster, node, name)) == 1 for node in cluster.nodes), 60, "r1's sockets gone")
     wait(lambda: nodes_labelled(cluster, generation_node_label_key(NS, name, r1)) == set(), 30, "r1's labels gone")
     assert done["status"]["attachedClients"] == 2 and condition(done, "Progressing")["status"] == "False"
@@ -302,7 +302,7 @@ def test_in_place_waits_while_an_engine_is_attached_then_replaces(cluster, op, t
         holder.release()
     replaced = wait_cache(cluster, name, lambda o: ready_now(o) and phases(o) == [("r2", "Active")],
                           "ready with r2 once the engine is gone", 180)
-    assert list(daemonsets(cluster, name)) == [f"weightcache-{name}"]  # replaced in place
+    assert list(daemonsets(cluster, name)) == [daemonset_name(NS, name)]  # replaced in place
     assert [revision_of(a) for a in daemonsets(cluster, name).values()] == ["r2"]
     assert replaced["status"]["generations"][0]["fingerprint"] == replaced["status"]["fingerprint"]
 

@@ -35,7 +35,7 @@ from procs import http
 from cluster.procs import free_port
 from cluster.testkit import condition, container_status, is_ready, ready_now
 from weightcache.demo import packaged_model_dir
-from weightcache.operator.manifests import node_label_key
+from weightcache.operator.manifests import daemonset_name, node_label_key
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightcache"
@@ -128,12 +128,23 @@ class Flow:
             last = (self.wc(name) or {}).get("status")
             raise AssertionError(f"{e}; last status: {json.dumps(last)}\n{self.operator_logs()}") from None
 
+    @property
+    def daemons_ns(self) -> str:
+        """The chart's namespace for every cache's daemons (daemons.namespace's default)."""
+        return f"{self.release}-daemons"
+
     def daemonset(self, name: str = CACHE) -> dict | None:
-        return self.get("ds", f"weightcache-{name}")
+        r = self.cluster.kubectl("get", "ds", daemonset_name(self.ns, name), "-n", self.daemons_ns, "-o", "json",
+                                 check=False)
+        if r.returncode == 0:
+            return json.loads(r.stdout)
+        assert "NotFound" in r.stderr, r.stderr
+        return None
 
     def daemon_pods(self, name: str = CACHE) -> list[dict]:
-        return self.kubectl_json("get", "pods", "-l",
-                                 f"app.kubernetes.io/name=weightcache-daemon,weightcache.io/cache={name}")["items"]
+        return self.cluster.kubectl_json("get", "pods", "-n", self.daemons_ns, "-l",
+                                         f"app.kubernetes.io/name=weightcache-daemon,weightcache.io/cache={name},"
+                                         f"weightcache.io/cache-namespace={self.ns}")["items"]
 
     def engine_pods(self) -> list[dict]:
         return self.kubectl_json("get", "pods", "-l", ENGINE_SELECTOR)["items"]
@@ -207,7 +218,8 @@ def flow(cluster, tmp_path_factory):
         finally:
             cluster.helm("uninstall", release, "--namespace", release_ns, "--wait", "--timeout", "120s",
                          check=False, timeout=180)
-            for name in (ns, release_ns):
+            # The daemons' namespace is kept by helm uninstall (it may hold daemons engines use).
+            for name in (ns, release_ns, flow.daemons_ns):
                 cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
         assert not problems, problems
 
@@ -260,6 +272,11 @@ def test_2_example_cache_loads_on_every_node_and_get_wc_shows_it(flow):
     pods = wait(lambda: (lambda ps: len(ps) == len(c.nodes) and all(is_ready(p) for p in ps) and ps)(flow.daemon_pods()),
                 60, "every daemon pod Ready")
     assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(c.nodes), "one daemon per node"
+    # In the chart's namespace for daemons (privileged), none in the user's namespace.
+    assert flow.kubectl_json("get", "pods,ds", "-l", "app.kubernetes.io/name=weightcache-daemon")["items"] == []
+    labels = c.kubectl_json("get", "namespace", flow.daemons_ns)["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged", labels
+    assert all(not p["spec"]["containers"][0]["securityContext"].get("privileged") for p in pods)
     for p in pods:
         assert p["spec"]["containers"][0]["image"].startswith("weightcache-daemon:")
         _, doc = http(f"http://{p['status']['podIP']}:{DAEMON_PORT}/status")

@@ -29,10 +29,12 @@ from cluster.pki import _key, _openssl, _signed, server_ext
 from cluster.procs import free_port
 from cluster.testkit import SIMULATED_IMAGE, condition, container, is_ready, pod, ready_now
 from weightcache.demo import packaged_model_dir
-from weightcache.operator.manifests import node_label_key
+from weightcache.operator.manifests import daemonset_name, node_label_key
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "weightcache.io_weightcaches.yaml"
+CLASS_CRD = ROOT / "crds" / "weightcache.io_weightcacheclasses.yaml"
+MODEL_ROOT = "/m"  # the test class's model root: every model of this tier lives under it
 WEIGHTCACHE = str(Path(sys.executable).with_name("weightcache"))
 NS = "wco"
 MODEL = "/m/mini"
@@ -51,8 +53,8 @@ def wait(check, timeout: float, what: str):
 class Operator:
     """Replicas of `weightcache operator` sharing one webhook port and peering object."""
 
-    def __init__(self, cluster, work: Path) -> None:
-        self.cluster, self.work = cluster, work
+    def __init__(self, cluster, work: Path, daemon_ns: str) -> None:
+        self.cluster, self.work, self.daemon_ns = cluster, work, daemon_ns
         self.webhook_port = free_port()
         self.peering = f"wc-test-{uuid.uuid4().hex[:6]}"
         self.procs: list[subprocess.Popen] = []
@@ -62,7 +64,11 @@ class Operator:
         argv = [WEIGHTCACHE, "operator", "--webhook-bind", f"127.0.0.1:{self.webhook_port}",
                 "--tls-cert", str(self.work / "tls.crt"), "--tls-key", str(self.work / "tls.key"),
                 "--health-bind", f"127.0.0.1:{health}", "--peering", self.peering, "--priority", str(priority),
-                "--peering-lifetime", "6", "--poll-interval", "1", "--log-level", "info"]
+                "--peering-lifetime", "6", "--poll-interval", "1", "--log-level", "info",
+                # The caches' own namespace: it is privileged here, and the tests of this tier
+                # look for a cache's daemons beside it (the chart's own namespace for them is
+                # tested by test_cp_install).
+                "--daemon-namespace", self.daemon_ns]
         log = open(self.work / f"operator-{len(self.procs)}.log", "wb")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}, start_new_session=True)
@@ -122,19 +128,28 @@ def webhook_configuration(name: str, port: int, ca: bytes) -> dict:
                           "timeoutSeconds": 10, "reinvocationPolicy": "IfNeeded"}]}
 
 
+def default_class(name: str, **spec) -> dict:
+    return {"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCacheClass",
+            "metadata": {"name": name, "annotations": {"weightcache.io/is-default-class": "true"}},
+            "spec": {"modelRoots": [MODEL_ROOT], "backends": ["cuda-vmm", "cpu"], **spec}}
+
+
 def start_operator(cluster, work: Path, ns: str, hook_prefix: str, only_ns: bool) -> tuple["Operator", str]:
     """The CRDs, namespace NS, one operator replica and its webhook (ONLY_NS: for NS alone,
     as other modules may run an operator of their own): (operator, webhook name)."""
-    cluster.kubectl("apply", "-f", str(CRD))
+    cluster.kubectl("apply", "-f", str(CRD), "-f", str(CLASS_CRD))
     crds = subprocess.run([WEIGHTCACHE, "operator", "--print-peering-crds"], capture_output=True, text=True,
                           check=True).stdout
     cluster.kubectl("apply", "-f", "-", input=crds)
-    for crd in ("weightcaches.weightcache.io", "clusterkopfpeerings.kopf.dev"):
+    for crd in ("weightcaches.weightcache.io", "weightcacheclasses.weightcache.io", "clusterkopfpeerings.kopf.dev"):
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
     cluster.create_namespace(ns)
+    # The admin's part: a default class whose model root holds this tier's models, named
+    # after the namespace (classes are cluster-wide; each module makes and removes its own).
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(default_class(ns)))
     work.mkdir(parents=True, exist_ok=True)
     make_webhook_cert(work)
-    operator = Operator(cluster, work)
+    operator = Operator(cluster, work, daemon_ns=ns)
     operator.active = operator.start(priority=100)
     wait(lambda: _connects(operator.webhook_port), 30, "the webhook port")
     hook = f"{hook_prefix}-{operator.peering}"
@@ -165,6 +180,7 @@ def stop_operator(cluster, operator: "Operator | None", hook: str, ns: str, work
             cluster.kubectl("delete", "mutatingwebhookconfiguration", hook, check=False)
         if operator:
             operator.stop_all()
+        cluster.kubectl("delete", "weightcacheclass", ns, "--ignore-not-found", check=False)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
@@ -216,7 +232,7 @@ def daemon_pods(cluster, name: str) -> list[dict]:
 
 
 def get_ds(cluster, name: str) -> dict | None:
-    r = cluster.kubectl("get", "ds", f"weightcache-{name}", "-n", NS, "-o", "json", check=False)
+    r = cluster.kubectl("get", "ds", daemonset_name(NS, name), "-n", NS, "-o", "json", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
@@ -287,7 +303,9 @@ def test_a_cpu_cache_becomes_ready_on_every_node_with_fingerprint_and_labels(clu
         assert sock.name == f"mini__cpu__{st['fingerprint'][:12]}.sock"
     wait(lambda: labelled_nodes(cluster, mini) == set(cluster.nodes), 30, "nodes labelled")
     ds = get_ds(cluster, mini)
-    assert ds["metadata"]["ownerReferences"][0]["uid"] == wc["metadata"]["uid"]
+    # No owner reference (daemons may live in another namespace): labels name the cache.
+    assert ds["metadata"]["labels"]["weightcache.io/cache-uid"] == wc["metadata"]["uid"]
+    assert "ownerReferences" not in ds["metadata"]
     for p in daemon_pods(cluster, mini):
         assert "weightcache.io/mutated" not in (p["metadata"].get("annotations") or {})  # daemons are not engines
         assert p["spec"]["containers"][0]["args"][:2] == ["daemon", "--model"]
@@ -297,8 +315,8 @@ def test_a_cpu_cache_becomes_ready_on_every_node_with_fingerprint_and_labels(clu
 
 def test_a_hand_edited_daemonset_is_put_back(cluster, mini):
     before = get_ds(cluster, mini)["spec"]["template"]
-    cluster.kubectl("set", "image", f"ds/weightcache-{mini}", "daemon=weightcache-daemon:hacked", "-n", NS)
-    cluster.kubectl("set", "env", f"ds/weightcache-{mini}", "EXTRA=1", "-n", NS)
+    cluster.kubectl("set", "image", f"ds/{daemonset_name(NS, mini)}", "daemon=weightcache-daemon:hacked", "-n", NS)
+    cluster.kubectl("set", "env", f"ds/{daemonset_name(NS, mini)}", "EXTRA=1", "-n", NS)
     wait(lambda: get_ds(cluster, mini)["spec"]["template"] == before, 30, "the DaemonSet put back")
     wait(lambda: events(cluster, mini, "DaemonSetRestored"), 30, "a DaemonSetRestored event")
     wait_cache(cluster, mini, ready_now, "ready again")
@@ -419,7 +437,7 @@ def test_the_operator_killed_mid_reconcile_restarts_and_converges(cluster, op, m
     wait(lambda: get_ds(cluster, "kil"), 30, "the operator to create the DaemonSet")
     op.kill(op.active)  # SIGKILL: no cleanup, no goodbye to the peering object
     # While it is down: its DaemonSet vanishes and the spec changes.
-    cluster.kubectl("delete", "ds", "weightcache-kil", "-n", NS, "--wait=true", "--timeout=60s")
+    cluster.kubectl("delete", "ds", daemonset_name(NS, "kil"), "-n", NS, "--wait=true", "--timeout=60s")
     cluster.kubectl("patch", "wc", "kil", "-n", NS, "--type=merge", "-p", json.dumps({"spec": {"model": {"revision": "r9"}}}))
     op.active = op.start(priority=200)
     wait_cache(cluster, "kil", ready_now, "ready after the restart")

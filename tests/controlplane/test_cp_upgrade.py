@@ -31,6 +31,7 @@ from cluster import wait_for
 from cluster.testkit import condition, is_ready, ready_now
 from weightcache.client import attach, compare_with_disk, list_sockets, query_status
 from weightcache.demo import packaged_model_dir
+from weightcache.operator.manifests import daemonset_name
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "weightcache"
@@ -74,8 +75,10 @@ def log_events(path: Path) -> list[str]:
 
 
 class Setup:
-    def __init__(self, cluster, ns: str) -> None:
+    def __init__(self, cluster, ns: str, release: str) -> None:
         self.cluster, self.ns = cluster, ns
+        # The chart's namespace for daemons and its default WeightCacheClass.
+        self.daemons_ns, self.class_name = f"{release}-daemons", release
 
     def kubectl(self, *args, **kw):
         return self.cluster.kubectl(*args, "-n", self.ns, **kw)
@@ -87,7 +90,11 @@ class Setup:
         return self.kubectl_json("get", "wc", CACHE)
 
     def daemon_pods(self) -> list[dict]:
-        return self.kubectl_json("get", "pods", "-l", DAEMONS)["items"]
+        return self.cluster.kubectl_json("get", "pods", "-n", self.daemons_ns, "-l",
+                                         f"{DAEMONS},weightcache.io/cache-namespace={self.ns}")["items"]
+
+    def daemonset(self) -> dict:
+        return self.cluster.kubectl_json("get", "ds", daemonset_name(self.ns, CACHE), "-n", self.daemons_ns)
 
     def engine_pods(self) -> list[dict]:
         return self.kubectl_json("get", "pods", "-l", ENGINE_SELECTOR)["items"]
@@ -99,7 +106,7 @@ class Setup:
         return self.cluster.node_root(node) / MODEL.lstrip("/")
 
     def daemon_log(self, pod: dict) -> Path:
-        return self.cluster.pod_log(self.ns, pod["metadata"]["name"], "daemon")
+        return self.cluster.pod_log(self.daemons_ns, pod["metadata"]["name"], "daemon")
 
     def infer_all(self) -> dict[str, list]:
         out = {}
@@ -119,7 +126,7 @@ def setup(cluster):
     for node in cluster.nodes:
         shutil.copytree(packaged_model_dir(), cluster.node_root(node) / MODEL.lstrip("/"), dirs_exist_ok=True)
     cluster.create_namespace(ns)
-    s = Setup(cluster, ns)
+    s = Setup(cluster, ns, release)
     try:
         cluster.helm("install", release, CHART, "--namespace", release_ns, "--create-namespace",
                      "--set", "operator.replicas=1", timeout=240)
@@ -135,7 +142,7 @@ def setup(cluster):
         s.kubectl("delete", "wc", CACHE, "--timeout=120s", check=False, timeout=150)
         cluster.helm("uninstall", release, "--namespace", release_ns, "--wait", "--timeout", "120s",
                      check=False, timeout=180)
-        for name in (ns, release_ns):
+        for name in (ns, release_ns, s.daemons_ns):
             cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
@@ -185,13 +192,15 @@ def test_a_daemon_image_upgrade_takes_the_slabs_over_without_a_reload(setup):
     expected = s.infer_all()
     old = {p["metadata"]["name"]: p for p in s.daemon_pods()}
     assert len(old) == len(nodes)
-    ds = s.kubectl_json("get", "ds", f"weightcache-{CACHE}")
+    ds = s.daemonset()
     assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
     watch = Watch(s, expected)
     watch.start()
     try:
-        s.kubectl("patch", "wc", CACHE, "--type=merge", "-p", json.dumps({"spec": {"daemon": {"image": NEW_IMAGE}}}))
+        # The daemons' image is the admin's: the class's, and every cache of the class rolls.
+        s.cluster.kubectl("patch", "wcc", s.class_name, "--type=merge", "-p",
+                          json.dumps({"spec": {"daemon": {"image": NEW_IMAGE}}}))
 
         def rolled():
             pods = s.daemon_pods()

@@ -28,6 +28,7 @@ import yaml
 from cluster import wait_for
 from procs import http, http_json
 from standbykit import AGENT_PORT, Env, is_ready
+from weightcache.operator.manifests import daemonset_name
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vllm-deployment.yaml"
@@ -145,7 +146,7 @@ def test_1_a_published_cache_starts_empty_and_ready_and_says_so(env):
     assert ready["message"] == "store ready on 1/1 nodes; empty: the first engine on each node publishes", st
     assert st["caches"] == [] and st["readyNodes"] == "1/1" and st["fingerprint"] == ""
     # The store's daemon: no model, the client group may publish, nothing held yet.
-    ds = env.get("daemonset", f"weightcache-{CACHE}")
+    ds = env.get("daemonset", daemonset_name(env.ns, CACHE))
     args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--model" not in args and "--take-over" not in args and "--allow-publish-gid" in args
     doc = env.daemon_status(CACHE)

@@ -45,9 +45,9 @@ def test_slot_a_keeps_the_daemonset_name_and_selector_slot_b_adds_the_slot():
     c = cache()
     a = g.generation_daemonset(c, g.Generation("r1", "/m/x"), "a")
     b = g.generation_daemonset(c, g.Generation("r2", "/m/y"), "b", max_device_bytes=5 * GiB)
-    assert a["metadata"]["name"] == daemonset_name("c") and b["metadata"]["name"] == daemonset_name("c") + "-b"
+    assert a["metadata"]["name"] == daemonset_name("ns", "c") and b["metadata"]["name"] == daemonset_name("ns", "c") + "-b"
     assert a["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "weightcache-daemon",
-                                                    "weightcache.io/cache": "c"}
+                                                    "weightcache.io/cache": "c", "weightcache.io/cache-namespace": "ns"}
     assert b["spec"]["selector"]["matchLabels"]["weightcache.io/slot"] == "b"
     assert b["spec"]["template"]["metadata"]["labels"]["weightcache.io/slot"] == "b"
     args = b["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -166,7 +166,7 @@ def test_status_lists_both_generations_during_a_move():
     entries = g.generations_status(R2, live, decided)
     assert [(e["revision"], e["phase"], e["readyNodes"], e["attachedClients"]) for e in entries] == [
         ("r2", "Active", "2/2", 0), ("r1", "Draining", "2/2", 3)]
-    assert entries[0]["daemonSet"] == "weightcache-c-b" and entries[1]["fingerprint"] == "r1" * 32
+    assert entries[0]["daemonSet"] == daemonset_name("ns", "c") + "-b" and entries[1]["fingerprint"] == "r1" * 32
     assert "3 attached client(s)" in entries[1]["message"]
     assert g.rollout_summary(entries) == "r1 Draining 2/2 -> r2 Active 2/2"
     base = {"conditions": [{"type": "Ready", "status": "True", "reason": "AllNodesReady", "message": "2/2"},

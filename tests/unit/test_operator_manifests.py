@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from weightcache.operator.manifests import (Defaults, daemonset_for, device_args, node_label_key, node_selector,
+from weightcache.operator.manifests import (Defaults, daemonset_for, daemonset_name, device_args, node_label_key, node_selector,
                                             socket_dir_for)
 
 
@@ -23,6 +23,13 @@ def daemon(ds):
     return c
 
 
+def test_daemonset_names_are_unique_per_namespace_and_name_and_fit():
+    names = {daemonset_name(ns, n) for ns, n in [("a-b", "c"), ("a", "b-c"), ("ml", "llama"), ("other", "llama")]}
+    assert len(names) == 4  # "<ns>-<name>" would make the first two collide
+    long = daemonset_name("n" * 63, "x" * 63)
+    assert len(long) <= 52 and long.startswith("wc-" + "x" * 40 + "-")
+
+
 def test_socket_dir_and_node_label_key():
     assert socket_dir_for("ml", "llama") == "/run/weightcache/ml/llama"
     key = node_label_key("ml", "llama")
@@ -32,14 +39,17 @@ def test_socket_dir_and_node_label_key():
     assert node_label_key("other", "llama") != key and node_label_key("ml", "llama2") != key
 
 
-def test_one_owned_daemonset_with_the_contract_shape():
-    ds = daemonset_for(cache(), Defaults(daemon_image="reg/weightcache-daemon:1"))
+def test_one_daemonset_in_the_daemons_namespace_labelled_for_its_cache():
+    ds = daemonset_for(cache(), Defaults(daemon_image="reg/weightcache-daemon:1", daemon_namespace="wc-daemons"))
     meta = ds["metadata"]
-    assert meta["name"] == "weightcache-llama" and meta["namespace"] == "ml"
-    assert meta["ownerReferences"] == [{"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache",
-                                        "name": "llama", "uid": "u-1", "controller": True,
-                                        "blockOwnerDeletion": True}]
-    labels = {"app.kubernetes.io/name": "weightcache-daemon", "weightcache.io/cache": "llama"}
+    # In the admin's namespace, never the tenant's; an owner reference cannot cross
+    # namespaces, so labels say whose it is (the uid: which incarnation of the cache).
+    assert meta["namespace"] == "wc-daemons" and "ownerReferences" not in meta
+    assert re.fullmatch(r"wc-llama-[0-9a-f]{8}", meta["name"])
+    labels = {"app.kubernetes.io/name": "weightcache-daemon", "weightcache.io/cache": "llama",
+              "weightcache.io/cache-namespace": "ml"}
+    assert meta["labels"] == {**labels, "weightcache.io/cache-uid": "u-1",
+                              "app.kubernetes.io/managed-by": "weightcache-operator"}
     assert ds["spec"]["selector"]["matchLabels"] == labels
     assert ds["spec"]["template"]["metadata"]["labels"] == labels
     c = daemon(ds)
@@ -55,7 +65,11 @@ def test_one_owned_daemonset_with_the_contract_shape():
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"  # liveness waits until the process answers
-    assert c["securityContext"] == {"privileged": True}
+    # Not privileged on any backend: the NVIDIA runtime exposes the GPUs from
+    # NVIDIA_VISIBLE_DEVICES; CHOWN hands the sockets to the client group.
+    assert c["securityContext"] == {"privileged": False, "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+                                    "seccompProfile": {"type": "RuntimeDefault"}}
     assert "nvidia.com/gpu" not in repr(c.get("resources"))
     pod = ds["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod["volumes"]}
@@ -80,27 +94,46 @@ def test_daemons_roll_by_surge_and_take_the_slabs_over():
     assert not pod.get("hostNetwork") and all("hostPort" not in p for p in daemon({"spec": spec})["ports"])
 
 
-def test_the_cache_daemon_image_wins_over_the_operator_default():
-    ds = daemonset_for(cache(daemon={"image": "mine:2"}), Defaults(daemon_image="default:1"))
+def klass(**spec) -> dict:
+    return {"metadata": {"name": "pool-a"}, "spec": {"modelRoots": ["/models"], **spec}}
+
+
+def test_the_class_daemon_image_wins_over_the_operator_default():
+    ds = daemonset_for(cache(), Defaults(daemon_image="default:1"), klass(daemon={"image": "mine:2"}))
     assert daemon(ds)["image"] == "mine:2"
+    assert daemon(daemonset_for(cache(), Defaults(daemon_image="default:1"), klass()))["image"] == "default:1"
 
 
-def test_placement_resources_priority_and_env_pass_through():
+def test_the_class_decides_placement_resources_priority_runtime_and_env():
     tol = [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    ds = daemonset_for(cache(placement={"nodeSelector": {"pool": "a100"}, "tolerations": tol},
-                             daemon={"resources": {"limits": {"memory": "4Gi"}}, "priorityClassName": "high",
-                                     "env": [{"name": "X", "value": "1"},
-                                             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"},
-                                             {"name": "POD_IP", "value": "bogus"}]}))
+    cls = klass(placement={"nodeSelector": {"pool": "a100"}, "tolerations": tol},
+                daemon={"resources": {"limits": {"memory": "4Gi"}}, "priorityClassName": "high",
+                        "runtimeClassName": "nvidia",
+                        "env": [{"name": "X", "value": "1"}, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"},
+                                {"name": "POD_IP", "value": "bogus"}]})
+    ds = daemonset_for(cache(placement={"nodeSelector": {"zone": "z1", "pool": "mine"}}), Defaults(), cls)
     pod = ds["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"pool": "a100"} and pod["tolerations"] == tol
-    assert pod["priorityClassName"] == "high"
+    # The cache narrows the class's nodes; a key both set keeps the admin's value.
+    assert pod["nodeSelector"] == {"pool": "a100", "zone": "z1"} and pod["tolerations"] == tol
+    assert pod["priorityClassName"] == "high" and pod["runtimeClassName"] == "nvidia"
     c = daemon(ds)
     assert c["resources"] == {"limits": {"memory": "4Gi"}}
     env = {e["name"]: e for e in c["env"]}
     assert env["X"]["value"] == "1" and env["NVIDIA_VISIBLE_DEVICES"]["value"] == "0"
-    assert "valueFrom" in env["POD_IP"]  # the --http-bind address is not the user's to change
+    assert "valueFrom" in env["POD_IP"]  # the --http-bind address is not the admin's to change either
     assert len(c["env"]) == len(env)
+
+
+def test_what_a_cache_still_says_reaches_nothing_the_class_decides():
+    """spec.daemon and spec.placement.tolerations are refused by the CRD; were one to reach
+    the builder anyway (an old object), it would change nothing."""
+    sneaky = cache(daemon={"image": "evil:1", "priorityClassName": "system-node-critical",
+                           "env": [{"name": "LD_PRELOAD", "value": "/x.so"}]},
+                   placement={"tolerations": [{"operator": "Exists"}]})
+    ds = daemonset_for(sneaky, Defaults(daemon_image="default:1"), klass())
+    pod = ds["spec"]["template"]["spec"]
+    assert daemon(ds)["image"] == "default:1" and "tolerations" not in pod and "priorityClassName" not in pod
+    assert "LD_PRELOAD" not in {e["name"] for e in daemon(ds)["env"]}
 
 
 @pytest.mark.parametrize("spec, expected", [

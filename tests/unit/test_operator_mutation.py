@@ -155,3 +155,13 @@ def test_a_published_cache_gets_an_agent_that_waits_for_its_store():
     assert 60100 in out["spec"]["securityContext"]["supplementalGroups"]  # reader and writer alike
     assert mutate_pod(out, cache(source="Published"), D) == out
     assert "--store" not in mutate_pod(pod(), cache(), D)["spec"]["initContainers"][0]["args"]
+
+
+def test_the_agent_meets_the_restricted_pod_security_level_and_a_quota():
+    """What Pod Security "restricted" asks of a container, and requests and a memory
+    limit for a namespace with a ResourceQuota."""
+    (agent,) = mutate_pod(pod(), cache())["spec"]["initContainers"]
+    sc = agent["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0 and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert agent["resources"]["requests"]["cpu"] and agent["resources"]["limits"]["memory"]

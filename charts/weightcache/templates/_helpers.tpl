@@ -18,6 +18,11 @@ fullnameOverride says otherwise, so the webhook Service of release R is `R-webho
 {{- printf "%s-webhook-tls" (include "weightcache.fullname" .) -}}
 {{- end -}}
 
+{{/* The namespace of every cache's daemons: the admin's, never a tenant's. */}}
+{{- define "weightcache.daemonNamespace" -}}
+{{- default (printf "%s-daemons" (include "weightcache.fullname" .)) .Values.daemons.namespace -}}
+{{- end -}}
+
 {{- define "weightcache.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "weightcache.operatorName" .) .Values.serviceAccount.name -}}
@@ -35,6 +40,16 @@ fullnameOverride says otherwise, so the webhook Service of release R is `R-webho
 {{- $svc := include "weightcache.webhookService" . -}}
 {{- $ns := .Release.Namespace -}}
 {{- toJson (list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.cluster.local" $svc $ns)) -}}
+{{- end -}}
+
+{{/* The namespaces the webhooks serve: all but the release's own (the operator must be
+able to start while its webhook is down), the daemons', and webhook.excludeNamespaces. */}}
+{{- define "weightcache.webhookNamespaces" -}}
+matchExpressions:
+  - key: kubernetes.io/metadata.name
+    operator: NotIn
+    values:
+      {{- toYaml (concat (list .Release.Namespace (include "weightcache.daemonNamespace" .)) .Values.webhook.excludeNamespaces | uniq) | nindent 6 }}
 {{- end -}}
 
 {{/* Labels. */}}

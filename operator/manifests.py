@@ -188,14 +188,18 @@ def update_strategy(store: bool) -> dict:
 
 
 def daemon_security_context() -> dict:
-    """Not privileged, on every backend. The daemon needs its socket directory (a hostPath
-    volume), the model (read-only) and, on GPU backends, the GPUs, which the NVIDIA
-    container runtime exposes from NVIDIA_VISIBLE_DEVICES=all without privileges. It runs
-    as root because the socket directory is the node's (created root-owned by the kubelet)
-    and it hands its sockets to the client group (CHOWN). Nothing else: no other
-    capability, no privilege escalation, the runtime's default seccomp profile."""
-    return {"privileged": False, "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    """Not privileged, on every backend, and no capability. The daemon needs its socket
+    directory (a hostPath volume), the model (read-only) and, on GPU backends, the GPUs,
+    which the NVIDIA container runtime exposes from NVIDIA_VISIBLE_DEVICES=all without
+    privileges. It runs as root, the owner of the node's socket directory (the kubelet
+    makes it root-owned), with the client group as its primary group (daemon_pod_security)
+    so that its sockets get that group without CAP_CHOWN. It writes nothing but sockets."""
+    return {"privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def daemon_pod_security(defaults: Defaults) -> dict:
+    return {"runAsUser": 0, "runAsGroup": defaults.client_gid, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def daemonset_for(cache: dict, defaults: Defaults = Defaults(), cls: dict | None = None) -> dict:
@@ -237,6 +241,7 @@ def daemonset_for(cache: dict, defaults: Defaults = Defaults(), cls: dict | None
     pod_spec = {
         "containers": [container],
         "volumes": [socket_volume(ns, name)] + ([] if store else [model_volume(spec)]),
+        "securityContext": daemon_pod_security(defaults),
         "automountServiceAccountToken": False,  # the daemon never calls the API
         "terminationGracePeriodSeconds": 30,
     }

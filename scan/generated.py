@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import sys
 
-from weightcache.operator import generations, manifests, mutation, standby
+from weightcache.operator import classes, generations, manifests, mutation, standby
 
 NAMESPACE = "ml"  # the tenant's namespace: caches and engines
 ENGINE_IMAGE = "registry.example/acme/engine@sha256:" + "0" * 64
@@ -35,16 +35,27 @@ def cache(name: str, uid: str, **spec) -> dict:
             "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid, "generation": 1}, "spec": base}
 
 
-# One cache per way the daemon and the engines are built differently. Names matter to
-# skips.yaml: its patterns say "weightcache-*" (every daemon), "weightcache-gpu-*" (the GPU
-# daemons), "engine-*" (every mutated engine pod); the unmutated engine is
-# "baseline-engine", outside every pattern, so no skip can hide a finding on it.
+def klass(name: str, **spec) -> dict:
+    """A WeightCacheClass, the admin's: the default one of the chart, or one with more."""
+    return {"apiVersion": f"{manifests.GROUP}/{manifests.VERSION}", "kind": "WeightCacheClass",
+            "metadata": {"name": name}, "spec": {"modelRoots": ["/models"], "backends": ["cuda-vmm", "cpu"], **spec}}
+
+
+DEFAULT_CLASS = klass("weightcache")
+SIZED_CLASS = klass("sized", daemon={"resources": {"requests": {"cpu": "2", "memory": "8Gi"},
+                                                   "limits": {"cpu": "8", "memory": "32Gi"}}})
+IPC_CLASS = klass("legacy-ipc", backends=["cuda-ipc"], allowHostIPC=True)
+
+# One cache (and its class) per way the daemon and the engines are built differently.
+# Names matter to skips.yaml: its patterns say "wc-*" (every daemon DaemonSet,
+# wc-<cache>-<hash8>), "wc-gpu-ipc-*", "engine-*" (every mutated engine pod); the
+# unmutated engine is "baseline-engine", outside every pattern, so no skip can hide a
+# finding on it.
 CACHES = [
-    cache("cpu", "uid-cpu", backend="cpu"),
-    cache("gpu-vmm", "uid-vmm", backend="cuda-vmm",
-          daemon={"resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "8", "memory": "32Gi"}}}),
-    cache("gpu-ipc", "uid-ipc", backend="cuda-ipc", allowHostIPC=True),
-    cache("gpu-store", "uid-store", backend="cuda-vmm", source="Published"),
+    (cache("cpu", "uid-cpu", backend="cpu"), DEFAULT_CLASS),
+    (cache("gpu-vmm", "uid-vmm", backend="cuda-vmm", className="sized"), SIZED_CLASS),
+    (cache("gpu-ipc", "uid-ipc", backend="cuda-ipc", allowHostIPC=True, className="legacy-ipc"), IPC_CLASS),
+    (cache("gpu-store", "uid-store", backend="cuda-vmm", source="Published"), DEFAULT_CLASS),
 ]
 
 
@@ -93,20 +104,21 @@ def documents() -> list[dict]:
     """Every object the scan checks from the operator's side, each named uniquely."""
     defaults = manifests.Defaults()
     docs = [tenant_network_policy()]
-    baseline = as_pod(engine_deployment(CACHES[0]), "baseline-engine")
+    baseline = as_pod(engine_deployment(CACHES[0][0]), "baseline-engine")
     docs.append(baseline)
-    for c in CACHES:
+    for c, cls in CACHES:
+        assert classes.refusals(c, cls, {}) == [], (c["metadata"]["name"], classes.refusals(c, cls, {}))
         name = c["metadata"]["name"]
         generation = generations.desired_generation(c)
         # What the reconciler sends: the generation's DaemonSet in slot a.
-        docs.append(generations.generation_daemonset(c, generation, "a", defaults))
+        docs.append(generations.generation_daemonset(c, generation, "a", defaults, cls=cls))
         deployment = engine_deployment(c)
         pod = mutation.mutate_pod(as_pod(deployment, f"engine-{name}"), c, defaults)
         docs.append(pod)
         if name == "gpu-vmm":
             # BlueGreen: the next revision loads in slot b beside the old, under an allowance.
             nxt = generations.Generation(revision="r2", path=c["spec"]["model"]["path"])
-            docs.append(generations.generation_daemonset(c, nxt, "b", defaults, max_device_bytes=40 << 30))
+            docs.append(generations.generation_daemonset(c, nxt, "b", defaults, max_device_bytes=40 << 30, cls=cls))
             # A hot standby of the engine, as created and then mutated by the webhook.
             rs = {"metadata": {"name": f"engine-{name}-5d8f", "uid": "rs-1"},
                   "spec": {"replicas": 1, "template": copy.deepcopy(deployment["spec"]["template"])}}

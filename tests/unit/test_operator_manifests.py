@@ -65,11 +65,14 @@ def test_one_daemonset_in_the_daemons_namespace_labelled_for_its_cache():
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"  # liveness waits until the process answers
-    # Not privileged on any backend: the NVIDIA runtime exposes the GPUs from
-    # NVIDIA_VISIBLE_DEVICES; CHOWN hands the sockets to the client group.
+    # Not privileged on any backend, no capability: the NVIDIA runtime exposes the GPUs
+    # from NVIDIA_VISIBLE_DEVICES; the client group is the daemon's primary group, so its
+    # sockets get that group without CAP_CHOWN.
     assert c["securityContext"] == {"privileged": False, "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+                                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
                                     "seccompProfile": {"type": "RuntimeDefault"}}
+    assert ds["spec"]["template"]["spec"]["securityContext"] == {
+        "runAsUser": 0, "runAsGroup": 60100, "seccompProfile": {"type": "RuntimeDefault"}}
     assert "nvidia.com/gpu" not in repr(c.get("resources"))
     pod = ds["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod["volumes"]}

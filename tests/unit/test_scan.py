@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from weightcache.operator.manifests import daemonset_name
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -169,8 +171,8 @@ def test_the_operator_objects_cover_every_backend_and_source():
     and a mutated engine pod per cache (what `make scan` then checks)."""
     docs = scan.operator_documents()
     daemons = {d["metadata"]["name"]: d for d in docs if d["kind"] == "DaemonSet"}
-    assert set(daemons) >= {"weightcache-cpu", "weightcache-gpu-vmm", "weightcache-gpu-vmm-b", "weightcache-gpu-ipc",
-                            "weightcache-gpu-store"}
+    names = {daemonset_name("ml", n) for n in ("cpu", "gpu-vmm", "gpu-ipc", "gpu-store")}
+    assert set(daemons) >= names | {daemonset_name("ml", "gpu-vmm") + "-b"}
     engines = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Pod"}
     assert {"baseline-engine", "engine-cpu", "engine-gpu-ipc", "engine-gpu-store", "engine-gpu-vmm-standby"} <= set(engines)
     # the mutated pods really are mutated: the agent sidecar is there, the baseline has none

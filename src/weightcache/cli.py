@@ -9,6 +9,7 @@ import sys
 from . import agent, demo, example_engine, logs
 from .httpjson import host_port
 from .operator import main as operator_main
+from .operator import uninstall as operator_uninstall
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightcache", description="Node-local GPU weight cache for LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_daemon, _add_attach, _add_status, demo.add_command, agent.add_command, example_engine.add_command,
-                operator_main.add_command):
+                operator_main.add_command, operator_uninstall.add_command):
         add(sub)
     return parser
 

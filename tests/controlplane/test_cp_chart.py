@@ -69,11 +69,11 @@ def test_lint_strict_is_clean(cluster, values):
 @pytest.mark.parametrize("values, kinds", [
     ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Namespace", "Service",
           "Deployment", "Secret", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
-          "WeightCacheClass", "ClusterKopfPeering", "PodDisruptionBudget", "ConfigMap", "Pod"}),
+          "WeightCacheClass", "ClusterKopfPeering", "PodDisruptionBudget", "ConfigMap", "Pod", "Job"}),
     (CERT_MANAGER, {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Namespace",
                     "Service", "Deployment", "Issuer", "Certificate", "MutatingWebhookConfiguration",
                     "ValidatingWebhookConfiguration", "WeightCacheClass", "ClusterKopfPeering",
-                    "PodDisruptionBudget", "ConfigMap", "Pod"}),
+                    "PodDisruptionBudget", "ConfigMap", "Pod", "Job"}),
 ], ids=VALUES.keys())
 def test_template_is_clean_and_renders_every_part(cluster, values, kinds):
     r = template(cluster, *values)

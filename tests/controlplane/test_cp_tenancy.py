@@ -4,7 +4,8 @@ a cache once gave - its own daemon image, env, priority, tolerations, host paths
 `/`, `/etc`, `/var/lib/kubelet`, host IPC - and each is refused by field and rule; its
 legitimate cache becomes Ready with the daemons in the chart's namespace and nothing in
 its own. The admin's side: a class that cannot create its pods makes the cache
-Degraded with the reason; a DaemonSet whose cache is gone is removed.
+Degraded with the reason; a DaemonSet whose cache is gone is removed; `helm uninstall`
+deletes the caches first and leaves none Terminating.
 
 The chart is installed as a user would (its default class, model root
 /var/lib/weightcache/models); the tenant's namespace is Pod Security `baseline`, which
@@ -190,3 +191,16 @@ def test_6_a_daemonset_whose_cache_is_gone_is_removed(t):
     c.kubectl("apply", "-f", "-", input=json.dumps(orphan))
     wait_for(lambda: c.kubectl("get", "ds", "wc-ghost-orphan", "-n", t.daemons_ns, check=False).returncode != 0,
              60, "the orphan DaemonSet deleted by the operator")
+
+
+def test_7_helm_uninstall_deletes_the_caches_first_and_leaves_none_terminating(t):
+    c = t.cluster
+    assert t.apply_as_tenant(cache("last")).returncode == 0
+    t.wait_wc("last", ready_now, "Ready before the uninstall")
+    r = c.helm("uninstall", t.release, "--namespace", t.release_ns, "--wait", "--timeout", "300s", timeout=360)
+    assert r.returncode == 0, r.stderr
+    # The pre-delete Job deleted every cache while the operator still ran their finalizers.
+    assert c.kubectl_json("get", "wc", "-n", t.ns)["items"] == []
+    assert c.kubectl_json("get", "ds", "-n", t.daemons_ns)["items"] == []
+    assert c.kubectl_json("get", "validatingwebhookconfigurations,mutatingwebhookconfigurations", "-l",
+                          f"app.kubernetes.io/instance={t.release}")["items"] == []

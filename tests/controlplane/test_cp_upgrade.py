@@ -246,7 +246,7 @@ def test_a_daemon_pod_deleted_by_hand_comes_back_by_loading(setup):
     expected = s.infer_all()
     victim = s.daemon_pods()[0]
     node = victim["spec"]["nodeName"]
-    s.kubectl("delete", "pod", victim["metadata"]["name"], "--wait=false")
+    s.cluster.kubectl("delete", "pod", victim["metadata"]["name"], "-n", s.daemons_ns, "--wait=false")
 
     def replaced():
         pods = [p for p in s.daemon_pods() if p["spec"]["nodeName"] == node]

@@ -76,17 +76,17 @@ def t(cluster):
         shutil.copytree(packaged_model_dir(), cluster.node_root(node) / MODEL.lstrip("/"), dirs_exist_ok=True)
     cluster.create_namespace(ns, pod_security="baseline")
     cluster.create_namespace(release_ns, pod_security="restricted")
-    # The tenant: WeightCaches in its own namespace, nothing else (no pods, no DaemonSets).
-    cluster.kubectl("create", "serviceaccount", "tenant", "-n", ns)
-    cluster.kubectl("create", "role", "caches", "-n", ns, "--verb=get,list,watch,create,update,patch,delete",
-                    "--resource=weightcaches.weightcache.io")
-    cluster.kubectl("create", "rolebinding", "caches", "-n", ns, "--role=caches", f"--serviceaccount={ns}:tenant")
     tn = Tenancy(cluster, release, release_ns, ns)
     try:
         cluster.helm("install", release, CHART, "--namespace", release_ns, "--set", "operator.replicas=1",
                      timeout=240)
         cluster.kubectl("rollout", "status", f"deployment/{release}-operator", "-n", release_ns, "--timeout=300s",
                         timeout=330)
+        # The tenant: WeightCaches in its own namespace, nothing else (no pods, no DaemonSets).
+        cluster.kubectl("create", "serviceaccount", "tenant", "-n", ns)
+        cluster.kubectl("create", "role", "caches", "-n", ns, "--verb=get,list,watch,create,update,patch,delete",
+                        "--resource=weightcaches.weightcache.io")
+        cluster.kubectl("create", "rolebinding", "caches", "-n", ns, "--role=caches", f"--serviceaccount={ns}:tenant")
         yield tn
     finally:
         for item in (cluster.kubectl_json("get", "wc", "-n", ns).get("items") or []):

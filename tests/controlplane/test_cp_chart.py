@@ -69,11 +69,13 @@ def test_lint_strict_is_clean(cluster, values):
 @pytest.mark.parametrize("values, kinds", [
     ((), {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Namespace", "Service",
           "Deployment", "Secret", "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
-          "WeightCacheClass", "ClusterKopfPeering", "PodDisruptionBudget", "ConfigMap", "Pod", "Job"}),
+          "WeightCacheClass", "ClusterKopfPeering", "PodDisruptionBudget", "ConfigMap", "Pod", "Job",
+          "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}),
     (CERT_MANAGER, {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Namespace",
                     "Service", "Deployment", "Issuer", "Certificate", "MutatingWebhookConfiguration",
                     "ValidatingWebhookConfiguration", "WeightCacheClass", "ClusterKopfPeering",
-                    "PodDisruptionBudget", "ConfigMap", "Pod", "Job"}),
+                    "PodDisruptionBudget", "ConfigMap", "Pod", "Job", "ValidatingAdmissionPolicy",
+                    "ValidatingAdmissionPolicyBinding"}),
 ], ids=VALUES.keys())
 def test_template_is_clean_and_renders_every_part(cluster, values, kinds):
     r = template(cluster, *values)
@@ -378,6 +380,36 @@ def test_in_the_daemons_namespace_it_may_run_the_daemons_and_nothing_more(releas
     r = release.cluster.kubectl("auth", "can-i", verb, resource, "--as", who, "-n", f"{release.name}-daemons",
                                 check=False)
     assert r.stdout.strip() == ("yes" if allowed else "no"), (verb, resource, r.stdout, r.stderr)
+
+
+def _as_operator(release, *args, input=None):
+    who = f"system:serviceaccount:{release.namespace}:{release.name}-operator"
+    return release.cluster.kubectl(*args, "--as", who, "--dry-run=server", input=input, check=False)
+
+
+def _pod(name: str, labels: dict) -> str:
+    return json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                       "spec": {"containers": [{"name": "c", "image": "attacker.example/any:1"}]}})
+
+
+def test_the_operator_may_create_only_standby_pods_and_touch_only_its_node_labels(release, namespace):
+    """What RBAC cannot narrow, the chart's ValidatingAdmissionPolicy does: the API server
+    refuses the operator's ServiceAccount any pod that is not a hot standby, any pod in
+    kube-system, and any change of a node but its cache.weightcache.io/* labels."""
+    r = _as_operator(release, "create", "-n", namespace, "-f", "-", input=_pod("any", {"app": "x"}))
+    assert r.returncode != 0 and "only hot-standby pods" in r.stderr, r.stderr
+    r = _as_operator(release, "create", "-n", "kube-system", "-f", "-",
+                     input=_pod("sb", {"weightcache.io/role": "standby"}))
+    assert r.returncode != 0 and "no pods in kube-system" in r.stderr, r.stderr
+    r = _as_operator(release, "create", "-n", namespace, "-f", "-", input=_pod("sb", {"weightcache.io/role": "standby"}))
+    assert r.returncode == 0, r.stderr  # a standby: allowed (dry run)
+    node = release.cluster.nodes[0]
+    r = _as_operator(release, "label", "node", node, "team=attacker")
+    assert r.returncode != 0 and "only a node's labels cache.weightcache.io/*" in r.stderr, r.stderr
+    r = _as_operator(release, "taint", "node", node, "x=y:NoSchedule")
+    assert r.returncode != 0 and "nothing else of it" in r.stderr, r.stderr
+    r = _as_operator(release, "label", "node", node, "cache.weightcache.io/0123456789=ready")
+    assert r.returncode == 0, r.stderr
 
 
 def test_helm_test_passes(release):

@@ -28,6 +28,7 @@ from cluster.procs import free_port
 from procs import wait_until
 from weightcache.client import CheckpointError, attach, compare_with_disk, list_sockets
 from weightcache.client import fingerprint as fp
+from weightcache.agent import checkpoint_hash
 from weightcache.daemon.checkpoint import read_checkpoint
 from weightcache.synthetic import write_model
 
@@ -172,6 +173,7 @@ def test_a_link_out_fails_the_clients_fingerprint_with_the_daemons_message(tmp_p
     assert str(client_side.value) == str(daemon_side.value)
     assert str(client_side.value) == (f"model.safetensors {OUTSIDE} {model} (a symbolic link); files must stay "
                                       "inside it")
+    assert checkpoint_hash(model) is None  # a store's agent warns and serves on (it only labels caches with it)
     done = subprocess.run([sys.executable, "-m", "weightcache", "attach", "--socket-dir", str(tmp_path / "s"),
                            "--model", str(model), "--json"], capture_output=True, text=True, timeout=180)
     assert done.returncode != 0 and str(daemon_side.value) in done.stderr, done.stderr

@@ -159,7 +159,8 @@ def _read(files: ModelFiles) -> Checkpoint:
             where[t.name] = name
             tensors.append(t)
     if weight_map is not None:
-        wrong = [f"{shown(n, 'a tensor name')} (index: {f}, found in: {where.get(n, 'none of the shards the index names')})"
+        wrong = [f"{shown(n, 'a tensor name')} (index: {f}, found in: "
+                 f"{where.get(n, 'none of the shards the index names')})"
                  for n, f in weight_map.items() if where.get(n) != f]
         unlisted = sorted(set(where) - set(weight_map))
         if wrong or unlisted:

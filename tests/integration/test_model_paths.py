@@ -17,8 +17,6 @@ import signal
 import struct
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -26,9 +24,10 @@ from safetensors.torch import load_file
 
 from cluster.procs import free_port
 from procs import wait_until
+from test_daemon_http import get
+from weightcache.agent import checkpoint_hash
 from weightcache.client import CheckpointError, attach, compare_with_disk, list_sockets
 from weightcache.client import fingerprint as fp
-from weightcache.agent import checkpoint_hash
 from weightcache.daemon.checkpoint import read_checkpoint
 from weightcache.synthetic import write_model
 
@@ -121,16 +120,6 @@ def assert_no_leak(*texts):
     for text in texts:
         for leak in LEAKS:
             assert leak not in text, f"{leak!r} leaked into: {text[:2000]}"
-
-
-def get(port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-    except OSError:
-        return 0, b""
 
 
 def failed_status(port: int) -> dict | None:

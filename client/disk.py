@@ -1,11 +1,18 @@
 """The path without a cache: load a checkpoint from disk, and compare bytes with it."""
 
-import pathlib
-
 from .errors import CheckpointError
 from .fingerprint import Parallelism
-from .modelfiles import checkpoint_files, read_config
+from .modelfiles import ModelFiles, read_config
 from .tp_plan import plan_for, shard_bounds, shard_dim
+
+
+def _opened_shards(model_dir):
+    """A path for each safetensors file of MODEL_DIR, opened inside it as the daemon opens
+    them (modelfiles.ModelFiles): the /proc path of its open fd, which safetensors opens
+    as that very file. All stay open until the caller is done with the last."""
+    with ModelFiles(model_dir) as files:
+        for name in files.shards()[0]:
+            yield files.proc_path(name)
 
 
 def load_from_disk(model_dir, device: str = "cpu", parallel: Parallelism = Parallelism(), tp_plan=None) -> dict:
@@ -16,18 +23,16 @@ def load_from_disk(model_dir, device: str = "cpu", parallel: Parallelism = Paral
     shard's bytes are read."""
     from safetensors.torch import load_file
 
-    model_dir = pathlib.Path(model_dir)
-    files, _ = checkpoint_files(model_dir)
     if parallel.tp_size == 1:
         tensors = {}
-        for path in files:
+        for path in _opened_shards(model_dir):
             tensors.update(load_file(path, device=device))
         return tensors
     plan = plan_for(read_config(model_dir), tp_plan)
     if plan is None:
         raise CheckpointError(f"{model_dir}: tensor parallel size {parallel.tp_size} needs a plan: the config has "
                               "no base_model_tp_plan; pass tp_plan (a JSON file of module pattern -> style)")
-    return _load_shard(files, plan, parallel, device)
+    return _load_shard(_opened_shards(model_dir), plan, parallel, device)
 
 
 def _load_shard(files, plan, parallel: Parallelism, device: str) -> dict:
@@ -63,8 +68,7 @@ def compare_with_disk(tensors: dict, model_dir) -> list[str]:
 
     problems = []
     seen = set()
-    files, _ = checkpoint_files(pathlib.Path(model_dir))
-    for path in files:
+    for path in _opened_shards(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 seen.add(name)

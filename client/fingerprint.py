@@ -11,7 +11,7 @@ import pathlib
 from dataclasses import dataclass
 
 from . import wire_pb2 as wire
-from .modelfiles import checkpoint_files, read_config, read_raw_header
+from .modelfiles import CONFIG_FILE, opened
 from .protocol import LAYOUT_VERSION
 
 
@@ -67,33 +67,37 @@ def _hash_json(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def model_hash(model_dir: pathlib.Path) -> str:
+def model_hash(model) -> str:
     """sha256 over config.json and every safetensors header: the model's identity.
 
     Headers carry every tensor's name, dtype, shape and offsets, so two checkpoints
     that hash alike hold the same tensors in the same places; reading them costs
-    kilobytes, not the gigabytes of data.
+    kilobytes, not the gigabytes of data. MODEL: a model directory, or its open
+    ModelFiles (the daemon hashes the very files it loaded).
     """
-    model_dir = pathlib.Path(model_dir)
     h = hashlib.sha256()
-    h.update(b"config.json\0")
-    h.update((model_dir / "config.json").read_bytes())
-    files, _ = checkpoint_files(model_dir)
-    for path in files:
-        h.update(b"\0" + path.name.encode() + b"\0")
-        h.update(read_raw_header(path))
+    with opened(model) as files:
+        h.update(b"config.json\0")
+        h.update(files.read(CONFIG_FILE))
+        names, _ = files.shards()
+        for name in names:
+            h.update(b"\0" + name.encode() + b"\0")
+            h.update(files.raw_header(name))
     return h.hexdigest()
 
 
-def compute(model_dir: pathlib.Path, *, revision: str = "", parallel: Parallelism = Parallelism(),
+def compute(model, *, revision: str = "", parallel: Parallelism = Parallelism(),
             device: Device = Device()) -> "wire.Fingerprint":
+    """The fingerprint of MODEL (a model directory or its open ModelFiles)."""
     import torch
 
-    config = read_config(pathlib.Path(model_dir))
+    with opened(model) as files:
+        config = files.config()
+        identity = model_hash(files)
     quantization, quantization_hash = quantization_of(config)
     dtype = config.get("torch_dtype") or config.get("dtype") or ""
     return wire.Fingerprint(
-        model_hash=model_hash(model_dir),
+        model_hash=identity,
         revision=revision,
         tp_size=parallel.tp_size, tp_rank=parallel.tp_rank,
         pp_size=parallel.pp_size, pp_rank=parallel.pp_rank,

@@ -1,10 +1,17 @@
-"""Stream a checkpoint's file ranges into the planned slabs, in parallel, with progress."""
+"""Stream a checkpoint's file ranges into the planned slabs, in parallel, with progress.
+
+The ranges are read from the checkpoint's open files (the ones its headers were
+validated in), never from a path opened again: what was checked is what is loaded.
+"""
 
 import logging
-import os
+import pathlib
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+
+from weightcache.client.errors import CheckpointError
+from weightcache.client.modelfiles import ModelFiles
 
 from .layout import SlabPlan
 
@@ -68,30 +75,35 @@ def _row_chunks(r: Read, chunk_bytes: int) -> list[Read]:
     return out
 
 
-def fill_slabs(plan: SlabPlan, slabs, *, workers: int = 8, progress_every_s: float = 2.0,
+def fill_slabs(plan: SlabPlan, slabs, files: ModelFiles, *, workers: int = 8, progress_every_s: float = 2.0,
                on_bytes=lambda nbytes: None) -> float:
-    """Fill every slab from the files; returns the seconds it took. on_bytes(n) hears
-    of each finished read (the daemon's status counts them)."""
+    """Fill every slab from FILES (the checkpoint's open files, which stay its to close);
+    returns the seconds it took. on_bytes(n) hears of each finished read (the daemon's
+    status counts them)."""
     reads = plan_reads(plan)
     total = sum(r.nbytes for r in reads)
-    fds = {path: os.open(path, os.O_RDONLY | os.O_CLOEXEC) for path in {r.path for r in reads}}
+    fds = {path: _validated_fd(files, path) for path in {r.path for r in reads}}
     start = time.perf_counter()
     done_bytes = 0
-    try:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:
-            pending = {pool.submit(_copy, slabs[r.slab], fds[r.path], r): r for r in reads}
-            while pending:
-                finished, _ = wait(pending, timeout=progress_every_s, return_when=FIRST_EXCEPTION)
-                for future in finished:
-                    future.result()  # re-raises a worker's error here
-                    nbytes = pending.pop(future).nbytes
-                    done_bytes += nbytes
-                    on_bytes(nbytes)
-                _log_progress(done_bytes, total, time.perf_counter() - start)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="load") as pool:
+        pending = {pool.submit(_copy, slabs[r.slab], fds[r.path], r): r for r in reads}
+        while pending:
+            finished, _ = wait(pending, timeout=progress_every_s, return_when=FIRST_EXCEPTION)
+            for future in finished:
+                future.result()  # re-raises a worker's error here
+                nbytes = pending.pop(future).nbytes
+                done_bytes += nbytes
+                on_bytes(nbytes)
+            _log_progress(done_bytes, total, time.perf_counter() - start)
     return time.perf_counter() - start
+
+
+def _validated_fd(files: ModelFiles, path: str) -> int:
+    """The open fd of the checkpoint file a tensor source names (never a new open)."""
+    name = pathlib.PurePath(path).name
+    if str(files.path(name)) != path:
+        raise CheckpointError(f"{path}: not a file of the checkpoint in {files.model_dir}")
+    return files.fd(name)
 
 
 def _copy(slab, fd: int, r: Read) -> None:

@@ -158,7 +158,14 @@ def ranks_for(parallel: fp.Parallelism, count: int) -> list[fp.Parallelism]:
 
 
 def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonState) -> tuple[ResidentCache, list]:
-    checkpoint = read_checkpoint(config.model_dir)
+    # The checkpoint's files stay open while it loads and are closed when it ends, also on
+    # an error: the slabs are filled, and the fingerprint hashed, from the validated files.
+    with read_checkpoint(config.model_dir) as checkpoint:
+        return _load_checkpoint(checkpoint, config, backend, parallel, state)
+
+
+def _load_checkpoint(checkpoint, config: DaemonConfig, backend, parallel: fp.Parallelism,
+                     state: DaemonState) -> tuple[ResidentCache, list]:
     tensors = shard(checkpoint.tensors, plan_for(checkpoint.config, config.tp_plan), parallel.tp_size,
                     parallel.tp_rank)
     plan = plan_slabs(tensors, max_slab_bytes=config.max_slab_bytes)
@@ -173,10 +180,10 @@ def load(config: DaemonConfig, backend, parallel: fp.Parallelism, state: DaemonS
                                           "backend": backend.name, "device": backend.device,
                                           "tp": f"{parallel.tp_rank}/{parallel.tp_size}"}})
     slabs = [backend.allocate(size, f"weightcache:{config.name}:{i}") for i, size in enumerate(plan.slab_sizes)]
-    seconds = fill_slabs(plan, slabs, workers=config.load_workers, on_bytes=state.loaded)
+    seconds = fill_slabs(plan, slabs, checkpoint.files, workers=config.load_workers, on_bytes=state.loaded)
     for slab in slabs:
         slab.seal()
-    fingerprint = fp.compute(config.model_dir, revision=config.revision, parallel=parallel,
+    fingerprint = fp.compute(checkpoint.files, revision=config.revision, parallel=parallel,
                              device=backend.fingerprint_device())
     layout = to_wire(plan, slabs)
     fds = [s.export_fd() for s in slabs]

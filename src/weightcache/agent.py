@@ -262,7 +262,7 @@ def checkpoint_hash(model_dir: pathlib.Path | None) -> str | None:
     """The model hash of MODEL_DIR's checkpoint, or None when there is none to read."""
     try:
         return fp.model_hash(model_dir) if model_dir is not None and model_dir.is_dir() else None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, WeightCacheError) as exc:  # a refused file too (docs/model-files.md)
         log.warning("cannot hash --model", extra={"fields": {"model": str(model_dir), "error": str(exc)}})
         return None
 

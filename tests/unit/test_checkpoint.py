@@ -6,14 +6,18 @@ byte edits or written by hand (8-byte little-endian header length + JSON + data)
 """
 
 import json
+import os
 import pathlib
 import struct
 
 import pytest
 
 from weightcache.client.errors import CheckpointError, UnsupportedQuantization
-from weightcache.client.modelfiles import checkpoint_files, read_config, read_raw_header
+from weightcache.client.modelfiles import ModelFiles, read_config
+from weightcache.daemon.backends import make_backend
 from weightcache.daemon.checkpoint import parse_header, read_checkpoint
+from weightcache.daemon.layout import plan_slabs
+from weightcache.daemon.loader import fill_slabs
 from weightcache.synthetic import write_model
 
 CONFIG = {"model_type": "synthetic", "torch_dtype": "float32"}
@@ -75,7 +79,9 @@ def test_header_length_larger_than_the_file_is_refused_naming_the_file(tmp_path)
     content = bytearray(path.read_bytes())
     content[:8] = struct.pack("<Q", len(content) * 10)
     path.write_bytes(bytes(content))
-    refused(model, str(path), f"header claims {len(content) * 10} bytes", "truncated or not safetensors")
+    message = refused(model, str(path), "the header length in its first 8 bytes is more than the "
+                      f"{len(content) - 8} bytes after them", "truncated or not safetensors")
+    assert str(len(content) * 10) not in message  # the file's own bytes are never quoted back
 
 
 def test_truncated_data_region_is_refused_naming_the_tensor_and_offsets(tmp_path):
@@ -90,11 +96,11 @@ def test_file_shorter_than_the_length_prefix_is_refused(tmp_path):
     refused(model, "model.safetensors", "3 bytes is too short")
 
 
-def test_header_cut_short_is_refused_by_read_raw_header(tmp_path):
+def test_header_cut_short_is_refused_by_raw_header(tmp_path):
     path = tmp_path / "x.safetensors"
     path.write_bytes(one_tensor()[:20])
-    with pytest.raises(CheckpointError, match="header claims .* the file is truncated") as info:
-        read_raw_header(path)
+    with ModelFiles(tmp_path) as files, pytest.raises(CheckpointError, match="first 8 bytes .* truncated") as info:
+        files.raw_header("x.safetensors")
     assert str(path) in str(info.value)
 
 
@@ -183,9 +189,10 @@ def test_index_shard_names_with_path_tricks_are_refused(tmp_path, shard):
     outside.write_bytes(one_tensor(name="a"))
     model = make_dir(tmp_path, {"model.safetensors": one_tensor(name="b")},
                      index={"a": shard, "b": "model.safetensors"})
-    message = refused(model, "model.safetensors.index.json", f"shard name {shard!r} is not allowed")
-    with pytest.raises(CheckpointError) as info:  # the client side (fingerprint) refuses it too
-        checkpoint_files(model)
+    quoted = repr(shard) if shard != "x.safetensors\0.bin" else "a name of 18 bytes"  # never a NUL byte
+    message = refused(model, "model.safetensors.index.json", f"shard name {quoted} is not allowed")
+    with ModelFiles(model) as files, pytest.raises(CheckpointError) as info:  # the client side refuses it too
+        files.shards()
     assert str(info.value) == message
 
 
@@ -197,7 +204,7 @@ def test_index_naming_a_tensor_in_another_shard_is_refused_naming_both_files(tmp
     assert index["weight_map"]["a"] == one and index["weight_map"]["b"] == two
     index["weight_map"]["a"], index["weight_map"]["b"] = two, one
     index_path.write_text(json.dumps(index))
-    refused(model, "index disagrees", f"a (index: {two}, found in: {one})", f"b (index: {one}, found in: {two})")
+    refused(model, "index disagrees", f"'a' (index: {two}, found in: {one})", f"'b' (index: {one}, found in: {two})")
 
 
 def test_index_listing_a_tensor_no_shard_holds_is_refused(tmp_path):
@@ -206,7 +213,8 @@ def test_index_listing_a_tensor_no_shard_holds_is_refused(tmp_path):
     index = json.loads(index_path.read_text())
     index["weight_map"]["ghost"] = "model-00001-of-00002.safetensors"
     index_path.write_text(json.dumps(index))
-    refused(model, "index disagrees", "ghost (index: model-00001-of-00002.safetensors, found in: none of the shards the index names)")
+    refused(model, "index disagrees",
+            "'ghost' (index: model-00001-of-00002.safetensors, found in: none of the shards the index names)")
 
 
 def test_tensor_in_a_shard_but_not_in_the_index_is_refused(tmp_path):
@@ -215,7 +223,7 @@ def test_tensor_in_a_shard_but_not_in_the_index_is_refused(tmp_path):
     index = json.loads(index_path.read_text())
     del index["weight_map"]["c"]
     index_path.write_text(json.dumps(index))
-    refused(model, "index disagrees", "c (in model-00001-of-00002.safetensors, not in the index)")
+    refused(model, "index disagrees", "'c' (in model-00001-of-00002.safetensors, not in the index)")
 
 
 def test_same_tensor_in_two_shards_is_refused_naming_both(tmp_path):
@@ -254,7 +262,7 @@ def test_config_that_is_not_a_json_object_is_refused(tmp_path, config, found):
 def test_directory_without_weights_or_that_is_not_a_directory_is_refused(tmp_path):
     refused(make_dir(tmp_path, {}), "no *.safetensors files")
     with pytest.raises(CheckpointError, match="nowhere: not a directory"):
-        checkpoint_files(tmp_path / "nowhere")
+        ModelFiles(tmp_path / "nowhere")
 
 
 # --- quantization -----------------------------------------------------------------------
@@ -283,8 +291,8 @@ FP8_BLOCK = {**CONFIG, "quantization_config": {"quant_method": "fp8", "weight_bl
 def test_blockwise_fp8_with_scales_is_accepted(tmp_path):
     model = write_model(tmp_path / "m", {"x.weight": ("F8_E4M3", (256, 128)), "x.weight_scale_inv": ("F32", (2, 1)),
                                          "norm.weight": ("BF16", (128,))}, config=FP8_BLOCK)
-    checkpoint = read_checkpoint(model)
-    assert checkpoint.quantization == "fp8-block"
+    with read_checkpoint(model) as checkpoint:
+        assert checkpoint.quantization == "fp8-block"
     assert {t.name: t.dtype for t in checkpoint.tensors} == {
         "x.weight": "F8_E4M3", "x.weight_scale_inv": "F32", "norm.weight": "BF16"}
     assert checkpoint.nbytes == 256 * 128 + 2 * 4 + 128 * 2
@@ -303,12 +311,102 @@ def test_good_sharded_model_reads_back_every_tensor_and_byte(tmp_path):
              "mask": ("BOOL", (3, 5)), "pos": ("I64", (7,)), "scalar": ("F32", ()), "empty": ("F32", (0, 4)),
              "fp8.weight": ("F8_E5M2", (4, 4))}
     model = write_model(tmp_path / "m", specs, shards=3)
-    checkpoint = read_checkpoint(model)
-    assert len(checkpoint.tensors) == len(specs)
-    assert checkpoint.nbytes == 100 * 8 * 4 + 8 * 24 * 2 + 24 * 2 + 15 + 7 * 8 + 4 + 0 + 16
-    assert {t.name: (t.dtype, t.shape) for t in checkpoint.tensors} == {n: (d, s) for n, (d, s) in specs.items()}
-    files, weight_map = checkpoint_files(model)
-    assert len(files) == 3 and set(weight_map) == set(specs)
-    for t in checkpoint.tensors:  # every source lies inside its own file, after its header
-        assert t.path.name == weight_map[t.name]
-        assert 8 + len(read_raw_header(t.path)) <= t.offset <= t.offset + t.nbytes <= t.path.stat().st_size
+    with read_checkpoint(model) as checkpoint:
+        assert len(checkpoint.tensors) == len(specs)
+        assert checkpoint.nbytes == 100 * 8 * 4 + 8 * 24 * 2 + 24 * 2 + 15 + 7 * 8 + 4 + 0 + 16
+        assert {t.name: (t.dtype, t.shape) for t in checkpoint.tensors} == {n: (d, s) for n, (d, s) in specs.items()}
+        files, weight_map = checkpoint.files.shards()
+        assert len(files) == 3 and set(weight_map) == set(specs)
+        for t in checkpoint.tensors:  # every source lies inside its own file, after its header
+            assert t.path.name == weight_map[t.name]
+            header = checkpoint.files.raw_header(t.path.name)
+            assert 8 + len(header) <= t.offset <= t.offset + t.nbytes <= t.path.stat().st_size
+
+
+# --- what is validated is what is loaded ---------------------------------------------------
+
+def slab_bytes(slab) -> bytes:
+    return os.pread(slab.export_fd(), slab.size, 0)
+
+
+def load_into_slabs(checkpoint) -> list:
+    plan = plan_slabs(checkpoint.tensors)
+    slabs = [make_backend("cpu", "cpu").allocate(size, f"test:{i}") for i, size in enumerate(plan.slab_sizes)]
+    fill_slabs(plan, slabs, checkpoint.files, workers=2)
+    for slab in slabs:
+        slab.seal()  # as the daemon does (it also drops the slab's own writable mapping)
+    return plan, slabs
+
+
+def test_a_shard_swapped_after_validation_loads_the_original_bytes(tmp_path):
+    model = write_model(tmp_path / "m", {"w": ("F32", (64, 64))}, seed=1)
+    original = (model / "model.safetensors").read_bytes()
+    impostor = write_model(tmp_path / "other", {"w": ("F32", (64, 64))}, seed=2) / "model.safetensors"
+    assert impostor.stat().st_size == len(original) and impostor.read_bytes() != original
+    with read_checkpoint(model) as checkpoint:
+        os.replace(impostor, model / "model.safetensors")  # after the header was checked, before the load
+        plan, slabs = load_into_slabs(checkpoint)
+    [placed] = plan.placements
+    start = placed.source.offset
+    assert slab_bytes(slabs[placed.slab])[placed.offset:placed.offset + placed.source.nbytes] == \
+        original[start:start + placed.source.nbytes]
+    for slab in slabs:
+        slab.close()
+
+
+def open_fds() -> set:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_loads_and_refusals_leave_no_fd_open(tmp_path, small_model):
+    bad = make_dir(tmp_path / "bad", {"model.safetensors": one_tensor(dtype="F7")})
+    before = open_fds()
+    for _ in range(20):  # a daemon that loads many times must not leak one fd a load
+        with read_checkpoint(small_model) as checkpoint:
+            _, slabs = load_into_slabs(checkpoint)
+        for slab in slabs:
+            slab.close()
+        with pytest.raises(CheckpointError):
+            read_checkpoint(bad)
+    assert open_fds() == before
+
+
+def test_values_from_a_file_are_quoted_only_when_short_and_printable():
+    long_name, control = "n" * 300, "w\x1b[31m"
+    header_refused({long_name: {"dtype": "F32", "shape": [1]}}, "tensor a tensor name of 300 bytes")
+    header_refused({control: {"dtype": "F32", "shape": [1]}}, "tensor a tensor name of 6 bytes")
+    header_refused({"t": {"dtype": "x" * 100, "shape": [1], "data_offsets": [0, 4]}}, "unknown dtype a dtype of 100 "
+                   "bytes", data=b"\0" * 4)
+    header_refused({"t": {"dtype": "F32", "shape": list(range(1, 100)), "data_offsets": [0, 4]}},
+                   "shape a JSON list of 99 entries", data=b"\0" * 4)
+
+
+def test_json_errors_say_where_never_what(tmp_path):
+    header_refused(b'{"t": "\xc3\x28 secret"}', "not valid JSON in UTF-8 (an undecodable byte at offset 7)")
+    header_refused(b"[" * 100_000, "nested too deeply")
+    model = make_dir(tmp_path, {"model.safetensors": one_tensor()}, config='{"a": secret-value}')
+    message = refused(model, "config.json", "not valid JSON (Expecting value: line 1 column 7)")
+    assert "secret" not in message
+
+
+def test_only_the_exact_hugging_face_layout_widens_the_root(tmp_path):
+    """`<repo>/snapshots/<rev>` with a `blobs` directory beside `snapshots` may link into
+    <repo>; the same links from a look-alike without `blobs` are refused."""
+    for repo, has_blobs in ((tmp_path / "hf", True), (tmp_path / "lookalike", False)):
+        snapshot = repo / "snapshots" / "rev"
+        snapshot.mkdir(parents=True)
+        store = repo / ("blobs" if has_blobs else "elsewhere")
+        store.mkdir()
+        (store / "weights").write_bytes(one_tensor())
+        (store / "config").write_text(json.dumps(CONFIG))
+        (snapshot / "model.safetensors").symlink_to(f"../../{store.name}/weights")
+        (snapshot / "config.json").symlink_to(f"../../{store.name}/config")
+        if has_blobs:
+            with read_checkpoint(snapshot) as checkpoint:
+                assert [t.name for t in checkpoint.tensors] == ["w"]
+        else:
+            refused(snapshot, f"config.json resolves outside the model directory {snapshot} (a symbolic link)")
+    (tmp_path / "hf" / "snapshots" / "rev" / "model.safetensors").unlink()
+    (tmp_path / "hf" / "snapshots" / "rev" / "model.safetensors").symlink_to("../../../lookalike/elsewhere/weights")
+    refused(tmp_path / "hf" / "snapshots" / "rev",
+            f"model.safetensors resolves outside the model repository {tmp_path / 'hf'}")

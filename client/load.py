@@ -24,6 +24,7 @@ from .disk import load_from_disk
 from .errors import CacheUnavailable, FingerprintMismatch
 from .fingerprint import Parallelism
 from .fingerprint import digest as fingerprint_digest
+from .protocol import STORE_TAG, parse_socket_name
 from .spawn import EXIT_ALREADY_SERVED, DaemonStartFailed, spawn_daemon
 
 log = logging.getLogger("weightcache.client")
@@ -206,18 +207,23 @@ def start_daemon(model_dir, settings: ClientSettings, *, store: bool = False) ->
         except DaemonStartFailed as exc:
             if exc.returncode != EXIT_ALREADY_SERVED:
                 raise DaemonStartFailed(f"{exc}; see {log_path}", exc.returncode) from None
-            _wait_for_socket(socket_dir, name, settings)
+            _wait_for_socket(socket_dir, name, settings, store)
 
 
-def _wait_for_socket(socket_dir, name, settings) -> None:
-    """Wait for the daemon that won the start race to publish its socket. Its ready pipe
-    belongs to whoever started it, so polling the directory is the condition left to us;
-    the attach that follows still checks it with a handshake."""
+def _wait_for_socket(socket_dir, name, settings, store: bool) -> None:
+    """Wait for the daemon that won the start race to publish its socket: a store's when
+    STORE, else a loaded daemon's (a socket of the other kind is another daemon, and
+    would not do). Its ready pipe belongs to whoever started it, so polling the directory
+    is the condition left to us; the attach that follows still checks it with a handshake."""
+    def published() -> bool:
+        return any((parse_socket_name(p.name)[2] == STORE_TAG) == store
+                   for p in list_sockets(socket_dir, name, settings.device))
+
     deadline = time.monotonic() + settings.start_timeout
-    while not list_sockets(socket_dir, name, settings.device):
+    while not published():
         if time.monotonic() > deadline:
-            raise CacheUnavailable(f"another daemon is starting cache {name} but did not publish within "
-                                   f"{settings.start_timeout:.0f}s")
+            raise CacheUnavailable(f"another {'store' if store else 'daemon'} is starting cache {name} but did not "
+                                   f"publish within {settings.start_timeout:.0f}s")
         time.sleep(0.05)
 
 

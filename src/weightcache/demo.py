@@ -416,8 +416,10 @@ def format_report(result: dict) -> str:
             lines.append(f"  GPU memory added by {n} engines loading at once: cache +{_gib(mem['cache']['gpu_added'])}"
                          f", disk +{_gib(mem['disk_warm']['gpu_added'])} (their CUDA contexts included; the model: "
                          f"{_gib(m['bytes'])})")
-        lines.append(f"  memory, {n} engines alive at once (sum of PSS): cache {_gib(mem['cache']['Pss'])}, the weights "
-                     f"held once in it ({_gib(mem['cache']['Pss_Shmem'])} of shared memfds)")
+        held = (f"the weights held once in it ({_gib(mem['cache']['Pss_Shmem'])} of shared memfds)"
+                 if backend == "cpu" else f"the weights in GPU memory, not in it ({_gib(mem['cache']['Pss_Shmem'])} "
+                 "of shared memory)")
+        lines.append(f"  memory, {n} engines alive at once (sum of PSS): cache {_gib(mem['cache']['Pss'])}, {held}")
         lines.append(f"  {'':<44}disk  {_gib(mem['disk_warm']['Pss'])}, {_gib(mem['disk_warm']['Pss_File'])} of it file "
                      "pages" + (" (load_file maps the files: the page cache is shared too)" if backend == "cpu" else ""))
         digests = r["outputs"]

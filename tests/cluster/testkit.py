@@ -84,6 +84,20 @@ def wait_gone(cluster: Cluster, namespace: str, kind: str, name: str, timeout: f
     wait_for(lambda: get(cluster, namespace, kind, name) is None, timeout, f"{kind} {namespace}/{name} gone")
 
 
+def wait_object(read, check, what: str, timeout: float, detail=lambda: "") -> dict:
+    """The object READ() returns once CHECK(it) holds; else an AssertionError that shows
+    its last status (and DETAIL(), e.g. the operator's log) beside what was awaited."""
+    def probe():
+        obj = read()
+        return obj if obj is not None and check(obj) else None
+    try:
+        return wait_for(probe, timeout, what)
+    except TimeoutError as e:
+        extra = detail()
+        raise AssertionError(f"{e}; last status: {json.dumps((read() or {}).get('status'))}"
+                             + (f"\n{extra}" if extra else "")) from None
+
+
 def condition(obj: dict | None, kind: str) -> dict:
     """The status condition of this type ({} when absent)."""
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:

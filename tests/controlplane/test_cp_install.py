@@ -33,7 +33,7 @@ import yaml
 from cluster import wait_for
 from procs import http
 from cluster.procs import free_port
-from cluster.testkit import condition, container_status, is_ready, ready_now
+from cluster.testkit import condition, container_status, is_ready, ready_now, wait_object
 from weightcache.demo import packaged_model_dir
 from weightcache.operator.manifests import daemonset_name, node_label_key
 
@@ -119,14 +119,8 @@ class Flow:
         return self.get("wc", name)
 
     def wait_wc(self, name: str, check, what: str, timeout: float = 300) -> dict:
-        def probe():
-            obj = self.wc(name)
-            return obj if obj is not None and check(obj) else None
-        try:
-            return wait(probe, timeout, f"WeightCache {self.ns}/{name} {what}")
-        except TimeoutError as e:
-            last = (self.wc(name) or {}).get("status")
-            raise AssertionError(f"{e}; last status: {json.dumps(last)}\n{self.operator_logs()}") from None
+        return wait_object(lambda: self.wc(name), check, f"WeightCache {self.ns}/{name} {what}", timeout,
+                           detail=self.operator_logs)
 
     @property
     def daemons_ns(self) -> str:

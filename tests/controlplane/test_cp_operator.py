@@ -27,7 +27,7 @@ import pytest
 from cluster import wait_for
 from cluster.pki import _key, _openssl, _signed, server_ext
 from cluster.procs import free_port
-from cluster.testkit import SIMULATED_IMAGE, condition, container, is_ready, pod, ready_now
+from cluster.testkit import SIMULATED_IMAGE, condition, container, is_ready, pod, ready_now, wait_object
 from weightcache.demo import packaged_model_dir
 from weightcache.operator.manifests import daemonset_name, node_label_key
 
@@ -217,13 +217,7 @@ def create_cache(cluster, name: str, path: str = MODEL, **spec) -> None:
 
 
 def wait_cache(cluster, name: str, check, what: str, timeout: float = 120) -> dict:
-    def probe():
-        obj = get_wc(cluster, name)
-        return obj if obj is not None and check(obj) else None
-    try:
-        return wait(probe, timeout, f"WeightCache {name} {what}")
-    except TimeoutError as e:
-        raise AssertionError(f"{e}; last seen: {json.dumps((get_wc(cluster, name) or {}).get('status'))}") from None
+    return wait_object(lambda: get_wc(cluster, name), check, f"WeightCache {name} {what}", timeout)
 
 
 def daemon_pods(cluster, name: str) -> list[dict]:

@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 from cluster import wait_for
-from cluster.testkit import condition, ready_now
+from cluster.testkit import condition, ready_now, wait_object
 from weightcache.demo import packaged_model_dir
 from weightcache.operator.manifests import daemonset_name
 
@@ -49,13 +49,7 @@ class Tenancy:
         return json.loads(r.stdout) if r.returncode == 0 else None
 
     def wait_wc(self, name: str, check, what: str, timeout: float = 300) -> dict:
-        def probe():
-            obj = self.wc(name)
-            return obj if obj is not None and check(obj) else None
-        try:
-            return wait_for(probe, timeout, f"WeightCache {self.ns}/{name} {what}")
-        except TimeoutError as e:
-            raise AssertionError(f"{e}; last status: {json.dumps((self.wc(name) or {}).get('status'))}") from None
+        return wait_object(lambda: self.wc(name), check, f"WeightCache {self.ns}/{name} {what}", timeout)
 
     def daemonsets(self, name: str) -> list[dict]:
         return self.cluster.kubectl_json("get", "ds", "-n", self.daemons_ns, "-l",

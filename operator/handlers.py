@@ -110,10 +110,9 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, kube: Kube
             return  # its finalizer must always be removable
         if operation == "UPDATE" and old is not None and _plain(old).get("spec") == cache.get("spec"):
             return  # metadata only (the operator's own annotations and finalizer)
-        ns = cache["metadata"].get("namespace") or "default"
-        cache["metadata"]["namespace"] = ns
+        cache["metadata"]["namespace"] = cache["metadata"].get("namespace") or "default"
         try:
-            classes.check(cache, kube.list_classes(), kube.get_namespace_labels(ns))
+            reconciler.class_of(cache)
         except classes.ClassRefused as e:
             raise kopf.AdmissionError(str(e), code=403)
         except ApiError as e:

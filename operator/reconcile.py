@@ -175,16 +175,17 @@ class Reconciler:
     # -- one pass -------------------------------------------------------------------------
     def _reconcile_once(self, ns: str, name: str) -> None:
         cache = self.kube.get_cache(ns, name)
-        self._delete_orphans(ns, name, cache)
+        labelled = self._labelled_daemonsets(ns, name)  # one list: the orphans and the cache's own
+        self._delete_orphans(labelled, ns, name, None if cache is None else cache["metadata"]["uid"])
         if cache is None or cache["metadata"].get("deletionTimestamp"):
             return  # gone, or finalize() owns it now
         desired = gens.desired_generation(cache)
         strategy, budget = gens.rollout_of(cache["spec"])
-        live = self.observe_generations(cache)
+        live = self.observe_generations(cache, _owned(labelled, cache["metadata"]["uid"]))
         decided = gens.plan(desired, strategy, budget, live, store=is_store(cache["spec"]))
         problem, kept = None, {}
         try:
-            cls = classes.check(cache, self.kube.list_classes(), self.kube.get_namespace_labels(ns))
+            cls = self.class_of(cache)
         except classes.ClassRefused as e:
             # Nothing is created or changed for a cache its class refuses; daemons made
             # before (the class changed since) keep serving what they serve: deleting them
@@ -246,9 +247,15 @@ class Reconciler:
             log.info("managed rollout", extra={"fields": {"deployment": f"{ns}/{d['metadata']['name']}",
                                                           "paused": decided.pause, "reason": decided.reason}})
 
-    def observe_generations(self, cache: dict) -> list[gens.Observed]:
-        """Each live DaemonSet of the cache with its generation, daemon states and the
-        engine pods admitted for it."""
+    def class_of(self, cache: dict) -> dict:
+        """The WeightCacheClass CACHE is served under, or ClassRefused naming every rule of
+        it the cache breaks (read fresh: a class can change at any time)."""
+        return classes.check(cache, self.kube.list_classes(),
+                             self.kube.get_namespace_labels(cache["metadata"]["namespace"]))
+
+    def observe_generations(self, cache: dict, daemonsets: list[dict]) -> list[gens.Observed]:
+        """Each live DaemonSet of the cache (DAEMONSETS, those it owns) with its generation,
+        daemon states and the engine pods admitted for it."""
         meta = cache["metadata"]
         ns, name = meta["namespace"], meta["name"]
         engines: dict[str, list[str]] = {}
@@ -257,7 +264,7 @@ class Reconciler:
                 continue
             engines.setdefault(gens.engine_generation(p) or "", []).append(p["metadata"]["name"])
         out = []
-        for ds in self.cache_daemonsets(ns, name, meta["uid"]):
+        for ds in daemonsets:
             generation = gens.generation_of_daemonset(ds)
             out.append(self._observed(ds, generation, gens.slot_of(ds), sorted(engines.get(generation.key, []))))
         return out
@@ -271,15 +278,18 @@ class Reconciler:
     def cache_daemonsets(self, ns: str, name: str, uid: str) -> list[dict]:
         """The DaemonSets this cache owns (one per generation, at most two), in the daemons'
         namespace."""
-        found = self.kube.list_daemonsets(self.daemon_ns, _selector(daemon_labels(ns, name)))
-        return sorted((d for d in found if owned_by(d, uid)), key=lambda d: d["metadata"]["name"])
+        return _owned(self._labelled_daemonsets(ns, name), uid)
 
-    def _delete_orphans(self, ns: str, name: str, cache: dict | None) -> None:
-        """DaemonSets labelled for NS/NAME that no live cache owns: the cache went while no
-        operator ran its finalizer (forced off, the CRD deleted), or it was made again
-        under the same name (another uid). Nothing else would ever delete them."""
-        uid = None if cache is None else cache["metadata"]["uid"]
-        for d in self.kube.list_daemonsets(self.daemon_ns, _selector(daemon_labels(ns, name))):
+    def _labelled_daemonsets(self, ns: str, name: str) -> list[dict]:
+        """Every DaemonSet labelled for NS/NAME in the daemons' namespace, whoever owns it."""
+        return self.kube.list_daemonsets(self.daemon_ns, _selector(daemon_labels(ns, name)))
+
+    def _delete_orphans(self, labelled: list[dict], ns: str, name: str, uid: str | None) -> None:
+        """Those of LABELLED (for NS/NAME) that no live cache owns (UID: the live cache's,
+        None: none): the cache went while no operator ran its finalizer (forced off, the
+        CRD deleted), or it was made again under the same name (another uid). Nothing else
+        would ever delete them."""
+        for d in labelled:
             if not owned_by(d, uid) and d["metadata"].get("deletionTimestamp") is None:
                 self.kube.delete_daemonset(self.daemon_ns, d["metadata"]["name"])
                 log.info("orphan daemonset deleted", extra={"fields": {
@@ -445,6 +455,11 @@ def template_args(ds: dict | None) -> list[str] | None:
 
 class DaemonSetConflict(Exception):
     """A DaemonSet of the cache's name exists that this WeightCache does not own."""
+
+
+def _owned(daemonsets: list[dict], uid: str) -> list[dict]:
+    """The DaemonSets of the cache of UID, in name order (slot a before slot b)."""
+    return sorted((d for d in daemonsets if owned_by(d, uid)), key=lambda d: d["metadata"]["name"])
 
 
 def _meta_key(obj: dict) -> str:

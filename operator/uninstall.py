@@ -48,7 +48,8 @@ def run_command(args) -> int:
         kube.request("PATCH", one, {"metadata": {"annotations": {FORCE_DELETE_ANNOTATION: "true"}}},
                      content_type=MERGE, missing_ok=True)
         kube.request("DELETE", one, missing_ok=True)
-    waiting = {c["metadata"]["uid"] for c in found}
+    uids = {c["metadata"]["uid"] for c in found}
+    waiting = set(uids)
     if waiting:  # each one's DELETED event, from the list's resourceVersion on
         stream = watch.Watch()
         for event in stream.stream(client.CustomObjectsApi(kube.api).list_cluster_custom_object, GROUP, VERSION,
@@ -59,7 +60,7 @@ def run_command(args) -> int:
             if not waiting:
                 stream.stop()
     left = [c for c in kube.request("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}")["items"]
-            if c["metadata"]["uid"] in {f["metadata"]["uid"] for f in found}]
+            if c["metadata"]["uid"] in uids]
     outcome = {"deleted": _names(found), "left": _names(left)}
     if args.json:
         print(json.dumps(outcome))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import posixpath
 
 CLASS_PLURAL = "weightcacheclasses"
-CLASS_KIND = "WeightCacheClass"
 DEFAULT_CLASS_ANNOTATION = "weightcache.io/is-default-class"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 
+from .classes import CLASS_PLURAL
 from .manifests import GROUP, PLURAL, VERSION
 
 MERGE = "application/merge-patch+json"
@@ -68,7 +69,7 @@ class Kube:
 
     # -- the calls the operator makes -------------------------------------------------
     def list_classes(self) -> list[dict]:
-        return self.request("GET", f"/apis/{GROUP}/{VERSION}/weightcacheclasses")["items"]
+        return self.request("GET", f"/apis/{GROUP}/{VERSION}/{CLASS_PLURAL}")["items"]
 
     def get_namespace_labels(self, ns: str) -> dict[str, str]:
         found = self.request("GET", f"/api/v1/namespaces/{ns}", missing_ok=True) or {}
